@@ -1,0 +1,97 @@
+#pragma once
+// The differentiable ops. Each validates its arguments (tg::Error naming the op and the shapes),
+// runs its forward kernel (core/kernels/) and records one tape node whose backward runs the
+// matching backward kernel. Float ops take float32 or float64; both operands must share a dtype
+// (PyTorch would promote; tapegrad asks for an explicit to()).
+#include <cstdint>
+#include <vector>
+
+#include "tapegrad/tensor.h"
+
+namespace tg {
+
+// ---- elementwise binary, NumPy broadcasting ----
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+// scalar forms: a + s, a - s, a * s, a / s, s - a, s / a
+Tensor add(const Tensor& a, double s);
+Tensor sub(const Tensor& a, double s);
+Tensor mul(const Tensor& a, double s);
+Tensor div(const Tensor& a, double s);
+Tensor rsub(double s, const Tensor& a);
+Tensor rdiv(double s, const Tensor& a);
+
+inline Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+inline Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+inline Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+inline Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+inline Tensor operator+(const Tensor& a, double s) { return add(a, s); }
+inline Tensor operator-(const Tensor& a, double s) { return sub(a, s); }
+inline Tensor operator*(const Tensor& a, double s) { return mul(a, s); }
+inline Tensor operator/(const Tensor& a, double s) { return div(a, s); }
+inline Tensor operator+(double s, const Tensor& a) { return add(a, s); }
+inline Tensor operator-(double s, const Tensor& a) { return rsub(s, a); }
+inline Tensor operator*(double s, const Tensor& a) { return mul(a, s); }
+inline Tensor operator/(double s, const Tensor& a) { return rdiv(s, a); }
+
+// ---- elementwise unary ----
+Tensor neg(const Tensor& x);
+inline Tensor operator-(const Tensor& x) { return neg(x); }
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+Tensor rsqrt(const Tensor& x);     // 1 / sqrt(x)
+Tensor pow(const Tensor& x, double p);
+Tensor abs(const Tensor& x);       // gradient sign(x), 0 at 0 (as PyTorch)
+Tensor tanh(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor relu(const Tensor& x);
+// approximate = "none": x * Phi(x) with the erf; "tanh": GPT-2's tanh approximation (PyTorch's names).
+Tensor gelu(const Tensor& x, const char* approximate = "none");
+
+// ---- reductions over axes (empty = all axes; negative axes count from the end) ----
+Tensor sum(const Tensor& x, const std::vector<int>& axes = {}, bool keepdim = false);
+Tensor mean(const Tensor& x, const std::vector<int>& axes = {}, bool keepdim = false);
+// Variance with Bessel's correction by default (PyTorch's correction=1); two-pass, never E[x^2]-E[x]^2.
+Tensor var(const Tensor& x, const std::vector<int>& axes = {}, bool keepdim = false, int correction = 1);
+// Maximum (torch.amax): the gradient is shared evenly between tied maxima.
+Tensor max(const Tensor& x, const std::vector<int>& axes = {}, bool keepdim = false);
+
+// ---- linear algebra ----
+// (..., M, K) @ (..., K, N) -> (..., M, N), batch dims broadcast; trans_a / trans_b read the stored
+// matrix transposed without copying it (a stored as (..., K, M), b stored as (..., N, K)).
+// Both operands need at least 2 dims (PyTorch also accepts 1-D vectors).
+Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+
+// ---- neural-network ops ----
+Tensor softmax(const Tensor& x, int axis = -1);      // only the last axis is supported
+Tensor log_softmax(const Tensor& x, int axis = -1);  // only the last axis is supported
+// Where mask (int32, broadcastable to x) is non-zero, the output is `value`; elsewhere x.
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value);
+// (T, T) int32 with 1 where key position j > query position i: the positions a causal model must not see.
+Tensor causal_mask(std::int64_t T);
+// Rows of weight (V, C) picked by int32 ids of any shape -> (ids..., C). Backward scatter-adds.
+Tensor embedding(const Tensor& weight, const Tensor& ids);
+// Mean over non-ignored rows of -log softmax(logits)[target]; logits (..., V), targets int32 (...).
+// Fused log-softmax + NLL. Throws when every target is ignored (PyTorch returns NaN).
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, std::int64_t ignore_index = -100);
+// Zeroes each element with probability p and scales the rest by 1/(1-p) when train; identity otherwise.
+Tensor dropout(const Tensor& x, double p, bool train = true);
+
+// ---- shape ops (all copy except reshape/view; all differentiable) ----
+Tensor reshape(const Tensor& x, const Shape& shape);
+Tensor transpose(const Tensor& x, int d0, int d1);
+Tensor permute(const Tensor& x, const std::vector<int>& dims);
+// Elements start, start+step, ... < end along dim; negative start/end count from the end and are
+// clamped to the dimension, as in Python slicing. step >= 1.
+Tensor slice(const Tensor& x, int dim, std::int64_t start, std::int64_t end, std::int64_t step = 1);
+Tensor cat(const std::vector<Tensor>& xs, int dim = 0);
+// Pieces of split_size along dim (the last may be smaller), or of the given sizes.
+std::vector<Tensor> split(const Tensor& x, std::int64_t split_size, int dim = 0);
+std::vector<Tensor> split(const Tensor& x, const std::vector<std::int64_t>& sizes, int dim = 0);
+Tensor to(const Tensor& x, DType dtype);  // differentiable between float32 and float64
+Tensor clone(const Tensor& x);  // differentiable between float32 and float64
+
+}  // namespace tg

@@ -1,0 +1,173 @@
+#pragma once
+// Tensor: a cheap handle (shared storage + shape + dtype + autograd slot). Copying a Tensor shares
+// both the data and the autograd slot, like a Python reference to a torch.Tensor; clone() copies
+// the data, detach() drops the autograd slot. Storage is always contiguous and row-major:
+// reshape/view share it, transpose/permute/slice/cat copy (documented difference from PyTorch,
+// whose transpose is a strided view).
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "tapegrad/dtype.h"
+#include "tapegrad/error.h"
+#include "tapegrad/shape.h"
+
+namespace tg {
+
+// A 64-byte aligned block of memory, recycled through a caching allocator (see core/storage.cpp).
+struct Storage {
+  explicit Storage(std::size_t nbytes);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+  void* data = nullptr;
+  std::size_t nbytes = 0;
+};
+
+// The caching allocator keeps freed blocks by size for reuse, so a training step that allocates
+// the same activations every iteration stops page-faulting fresh memory after the first one.
+std::size_t cached_bytes();  // bytes held in the cache, not in use
+void empty_cache();          // returns every cached block to the system
+
+struct AutogradMeta;
+
+class Tensor {
+ public:
+  Tensor() = default;  // undefined: defined() is false
+
+  // Uninitialised memory of the given shape. Prefer the factories below.
+  static Tensor empty(const Shape& shape, DType dtype = DType::f32);
+
+  bool defined() const { return storage_ != nullptr; }
+  const Shape& shape() const { return shape_; }
+  int dim() const { return shape_.ndim(); }
+  std::int64_t size(int d) const;  // d may be negative, as in PyTorch
+  std::int64_t numel() const { return shape_.numel(); }
+  DType dtype() const { return dtype_; }
+  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * itemsize(dtype_); }
+
+  // Typed access to the contiguous data; throws tg::Error when T does not match dtype().
+  template <class T> T* data();
+  template <class T> const T* data() const;
+  void* raw_data() { return storage_ ? storage_->data : nullptr; }
+  const void* raw_data() const { return storage_ ? storage_->data : nullptr; }
+  bool shares_storage(const Tensor& o) const { return storage_ && storage_ == o.storage_; }
+
+  // Element access for tests and small programs (values go through double).
+  double item() const;                                        // the one element of a 1-element tensor
+  double at(std::initializer_list<std::int64_t> idx) const;   // negative indices count from the end
+  void set(std::initializer_list<std::int64_t> idx, double v);
+  template <class T> std::vector<T> to_vector() const;        // copies, converting to T
+
+  // ---- autograd ----
+  bool requires_grad() const;
+  // Marks a floating-point leaf as a parameter whose gradient backward() accumulates. Returns *this.
+  Tensor& requires_grad_(bool on = true);
+  bool is_leaf() const;          // not produced by a recorded op
+  Tensor grad() const;           // undefined until a backward reaches this tensor
+  void zero_grad();              // drops the gradient (PyTorch's set_to_none=True)
+  // Keep this non-leaf tensor's gradient after backward (PyTorch's retain_grad()).
+  void retain_grad();
+  // Reverse-mode pass from this tensor: a scalar, or any shape with an explicit upstream gradient.
+  // keep_tape=true keeps the recorded graph for another backward (PyTorch's retain_graph).
+  void backward() const;
+  void backward(const Tensor& grad, bool keep_tape = false) const;
+  Tensor detach() const;         // same data, no autograd history
+  Tensor clone() const;          // a copy of the data; differentiable
+  // A label shown when the tape is printed or drawn (modules name their parameters).
+  Tensor& set_name(std::string name);
+  std::string name() const;
+
+  // ---- common ops as methods (see ops.h for the rest) ----
+  Tensor reshape(const Shape& shape) const;  // one dimension may be -1; shares storage
+  Tensor view(const Shape& shape) const { return reshape(shape); }
+  Tensor transpose(int d0, int d1) const;
+  Tensor permute(const std::vector<int>& dims) const;
+  Tensor slice(int dim, std::int64_t start, std::int64_t end, std::int64_t step = 1) const;
+  Tensor to(DType dtype) const;
+  Tensor sum(const std::vector<int>& axes = {}, bool keepdim = false) const;
+  Tensor mean(const std::vector<int>& axes = {}, bool keepdim = false) const;
+
+  // Internal: the autograd slot (may be null) and construction from parts.
+  const std::shared_ptr<AutogradMeta>& meta() const { return meta_; }
+  std::shared_ptr<AutogradMeta>& ensure_meta();
+  // Internal: the same storage under another shape of equal numel, without autograd history.
+  Tensor alias(const Shape& shape) const { return Tensor(storage_, shape, dtype_); }
+  Tensor(std::shared_ptr<Storage> s, const Shape& shape, DType dtype)
+      : storage_(std::move(s)), shape_(shape), dtype_(dtype) {}
+
+ private:
+  std::shared_ptr<Storage> storage_;
+  Shape shape_;
+  DType dtype_ = DType::f32;
+  std::shared_ptr<AutogradMeta> meta_;
+  void check_dtype(DType want) const;
+  std::int64_t flat_index(std::initializer_list<std::int64_t> idx, const char* op) const;
+};
+
+// The autograd slot of a tensor. Tape nodes hold these (not the data) for the inputs whose gradient
+// they accumulate into, so an input's activations are freed as soon as nothing else needs them.
+struct AutogradMeta {
+  bool requires_grad = false;
+  bool retains_grad = false;
+  std::int64_t node = -1;          // index of the creating node on the tape; -1 for a leaf
+  std::uint64_t generation = 0;    // the tape generation that node belongs to
+  std::uint64_t id = 0;            // unique, names the tensor in DOT output
+  Shape shape;
+  DType dtype = DType::f32;
+  std::string name;
+  Tensor grad;
+  // The gradient buffer to accumulate (+=) into, allocated as zeros on first use.
+  Tensor& grad_accumulator();
+};
+
+// ---- factories (dtype defaults to float32, as in PyTorch) ----
+Tensor zeros(const Shape& shape, DType dtype = DType::f32);
+Tensor ones(const Shape& shape, DType dtype = DType::f32);
+Tensor full(const Shape& shape, double value, DType dtype = DType::f32);
+Tensor zeros_like(const Tensor& t);
+Tensor ones_like(const Tensor& t);
+Tensor arange(std::int64_t end, DType dtype = DType::f32);
+Tensor arange(double start, double end, double step = 1.0, DType dtype = DType::f32);
+// From values: tensor({1, 2, 3, 4}, {2, 2}); the shape defaults to 1-D.
+Tensor tensor(const std::vector<double>& values, const Shape& shape = Shape(), DType dtype = DType::f32);
+template <class T>
+Tensor from_vector(const std::vector<T>& values, const Shape& shape);
+
+std::ostream& operator<<(std::ostream& os, const Tensor& t);
+
+// ---- template definitions ----
+template <class T> T* Tensor::data() {
+  check_dtype(dtype_of<T>::value);
+  return static_cast<T*>(storage_->data);
+}
+template <class T> const T* Tensor::data() const {
+  check_dtype(dtype_of<T>::value);
+  return static_cast<const T*>(storage_->data);
+}
+template <class T> std::vector<T> Tensor::to_vector() const {
+  std::vector<T> out(static_cast<std::size_t>(numel()));
+  const void* p = raw_data();
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    switch (dtype_) {
+      case DType::f32: out[i] = static_cast<T>(static_cast<const float*>(p)[i]); break;
+      case DType::f64: out[i] = static_cast<T>(static_cast<const double*>(p)[i]); break;
+      case DType::i32: out[i] = static_cast<T>(static_cast<const std::int32_t*>(p)[i]); break;
+    }
+  }
+  return out;
+}
+template <class T>
+Tensor from_vector(const std::vector<T>& values, const Shape& shape) {
+  if (static_cast<std::int64_t>(values.size()) != shape.numel())
+    fail("from_vector", values.size(), " values do not fill shape ", shape);
+  Tensor t = Tensor::empty(shape, dtype_of<T>::value);
+  T* p = t.data<T>();
+  for (std::size_t i = 0; i < values.size(); ++i) p[i] = values[i];
+  return t;
+}
+
+}  // namespace tg

@@ -1,0 +1,230 @@
+#pragma once
+// Elementwise kernels. Each op is a functor holding its forward f and its derivative df side by
+// side; the kernels below apply them. Backward kernels accumulate: dx += dy * df.
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+
+#include "kernels/parallel.h"
+
+namespace tg::kernels {
+
+// ---- unary: y = f(x), dy/dx = df(x, y). kX / kY say which of x and y df reads (so the op saves
+// only those). ----
+struct NegOp {
+  static constexpr bool kX = false, kY = false;
+  template <class T> T f(T x) const { return -x; }
+  template <class T> T df(T, T) const { return T(-1); }
+};
+struct ExpOp {  // d/dx e^x = e^x = y
+  static constexpr bool kX = false, kY = true;
+  template <class T> T f(T x) const { return std::exp(x); }
+  template <class T> T df(T, T y) const { return y; }
+};
+struct LogOp {  // d/dx ln x = 1/x
+  static constexpr bool kX = true, kY = false;
+  template <class T> T f(T x) const { return std::log(x); }
+  template <class T> T df(T x, T) const { return T(1) / x; }
+};
+struct SqrtOp {  // d/dx sqrt x = 1 / (2 sqrt x) = 1 / (2y)
+  static constexpr bool kX = false, kY = true;
+  template <class T> T f(T x) const { return std::sqrt(x); }
+  template <class T> T df(T, T y) const { return T(0.5) / y; }
+};
+struct RsqrtOp {  // d/dx x^(-1/2) = -x^(-3/2) / 2 = -y^3 / 2
+  static constexpr bool kX = false, kY = true;
+  template <class T> T f(T x) const { return T(1) / std::sqrt(x); }
+  template <class T> T df(T, T y) const { return T(-0.5) * y * y * y; }
+};
+struct PowOp {  // d/dx x^p = p x^(p-1); p = 0 has gradient 0 everywhere (as PyTorch)
+  double p;
+  static constexpr bool kX = true, kY = false;
+  template <class T> T f(T x) const { return p == 2 ? x * x : static_cast<T>(std::pow(x, static_cast<T>(p))); }
+  template <class T> T df(T x, T) const {
+    if (p == 0) return T(0);
+    if (p == 2) return T(2) * x;
+    return static_cast<T>(p) * static_cast<T>(std::pow(x, static_cast<T>(p - 1)));
+  }
+};
+struct AbsOp {  // sign(x), 0 at 0
+  static constexpr bool kX = true, kY = false;
+  template <class T> T f(T x) const { return std::fabs(x); }
+  template <class T> T df(T x, T) const { return x > 0 ? T(1) : x < 0 ? T(-1) : T(0); }
+};
+struct TanhOp {  // 1 - tanh^2
+  static constexpr bool kX = false, kY = true;
+  template <class T> T f(T x) const { return std::tanh(x); }
+  template <class T> T df(T, T y) const { return T(1) - y * y; }
+};
+struct SigmoidOp {  // s (1 - s); written to avoid overflow of exp for large |x|
+  static constexpr bool kX = false, kY = true;
+  template <class T> T f(T x) const {
+    if (x >= 0) return T(1) / (T(1) + std::exp(-x));
+    const T e = std::exp(x);
+    return e / (T(1) + e);
+  }
+  template <class T> T df(T, T y) const { return y * (T(1) - y); }
+};
+struct ReluOp {  // 1 where x > 0, else 0 (0 at 0, as PyTorch)
+  static constexpr bool kX = true, kY = false;
+  template <class T> T f(T x) const { return x > 0 ? x : T(0); }
+  template <class T> T df(T x, T) const { return x > 0 ? T(1) : T(0); }
+};
+struct GeluErfOp {  // x Phi(x); d/dx = Phi(x) + x phi(x), phi the standard normal density
+  static constexpr bool kX = true, kY = false;
+  template <class T> T f(T x) const { return T(0.5) * x * (T(1) + std::erf(x * T(std::numbers::sqrt2 / 2))); }
+  template <class T> T df(T x, T) const {
+    const T cdf = T(0.5) * (T(1) + std::erf(x * T(std::numbers::sqrt2 / 2)));
+    const T pdf = std::exp(T(-0.5) * x * x) * T(0.5 * std::numbers::inv_sqrtpi * std::numbers::sqrt2);
+    return cdf + x * pdf;
+  }
+};
+struct GeluTanhOp {  // 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3)
+  static constexpr bool kX = true, kY = false;
+  static constexpr double kC = 0.7978845608028654;  // sqrt(2 / pi)
+  template <class T> T f(T x) const { return T(0.5) * x * (T(1) + std::tanh(T(kC) * (x + T(0.044715) * x * x * x))); }
+  template <class T> T df(T x, T) const {
+    const T t = std::tanh(T(kC) * (x + T(0.044715) * x * x * x));
+    return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * T(kC) * (T(1) + T(3 * 0.044715) * x * x);
+  }
+};
+struct AddScalarOp {
+  double s;
+  static constexpr bool kX = false, kY = false;
+  template <class T> T f(T x) const { return x + static_cast<T>(s); }
+  template <class T> T df(T, T) const { return T(1); }
+};
+struct MulScalarOp {
+  double s;
+  static constexpr bool kX = false, kY = false;
+  template <class T> T f(T x) const { return x * static_cast<T>(s); }
+  template <class T> T df(T, T) const { return static_cast<T>(s); }
+};
+struct RsubScalarOp {  // s - x
+  double s;
+  static constexpr bool kX = false, kY = false;
+  template <class T> T f(T x) const { return static_cast<T>(s) - x; }
+  template <class T> T df(T, T) const { return T(-1); }
+};
+struct RdivScalarOp {  // s / x; d/dx = -s / x^2 = -y / x
+  double s;
+  static constexpr bool kX = true, kY = true;
+  template <class T> T f(T x) const { return static_cast<T>(s) / x; }
+  template <class T> T df(T x, T y) const { return -y / x; }
+};
+
+template <class T, class Op>
+void unary_forward(const T* x, T* y, std::int64_t n, Op op) {
+  TG_PARALLEL_FOR(n)
+  for (std::int64_t i = 0; i < n; ++i) y[i] = op.f(x[i]);
+}
+
+// dx += dy * df(x, y); x or y may be null when Op does not read it.
+template <class T, class Op>
+void unary_backward(const T* x, const T* y, const T* dy, T* dx, std::int64_t n, Op op) {
+  TG_PARALLEL_FOR(n)
+  for (std::int64_t i = 0; i < n; ++i) {
+    T xi{}, yi{};
+    if constexpr (Op::kX) xi = x[i];
+    if constexpr (Op::kY) yi = y[i];
+    dx[i] += dy[i] * op.df(xi, yi);
+  }
+}
+
+// ---- binary: y = f(a, b); partials da(a, b) and db(a, b) ----
+struct AddOp {
+  static constexpr bool kNeedA = false, kNeedB = false;
+  template <class T> static T f(T a, T b) { return a + b; }
+  template <class T> static T da(T, T) { return T(1); }
+  template <class T> static T db(T, T) { return T(1); }
+};
+struct SubOp {
+  static constexpr bool kNeedA = false, kNeedB = false;
+  template <class T> static T f(T a, T b) { return a - b; }
+  template <class T> static T da(T, T) { return T(1); }
+  template <class T> static T db(T, T) { return T(-1); }
+};
+struct MulOp {
+  static constexpr bool kNeedA = true, kNeedB = true;
+  template <class T> static T f(T a, T b) { return a * b; }
+  template <class T> static T da(T, T b) { return b; }
+  template <class T> static T db(T a, T) { return a; }
+};
+struct DivOp {  // d(a/b)/da = 1/b, d(a/b)/db = -a/b^2
+  static constexpr bool kNeedA = true, kNeedB = true;
+  template <class T> static T f(T a, T b) { return a / b; }
+  template <class T> static T da(T, T b) { return T(1) / b; }
+  template <class T> static T db(T a, T b) { return -a / (b * b); }
+};
+
+// Reads p[i] only when the op's derivative needs it (Add/Sub save neither operand).
+template <bool kNeed, class T>
+inline T load(const T* p, std::int64_t i) {
+  if constexpr (kNeed) return p[i];
+  else return T{};
+}
+
+// Fast path: a, b and y all have the same shape.
+template <class T, class Op>
+void binary_forward_same(const T* a, const T* b, T* y, std::int64_t n) {
+  TG_PARALLEL_FOR(n)
+  for (std::int64_t i = 0; i < n; ++i) y[i] = Op::f(a[i], b[i]);
+}
+template <class T, class Op>
+void binary_backward_same(const T* a, const T* b, const T* dy, T* da, T* db, std::int64_t n) {
+  if (da) {
+    TG_PARALLEL_FOR(n)
+    for (std::int64_t i = 0; i < n; ++i) da[i] += dy[i] * Op::da(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, i));
+  }
+  if (db) {
+    TG_PARALLEL_FOR(n)
+    for (std::int64_t i = 0; i < n; ++i) db[i] += dy[i] * Op::db(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, i));
+  }
+}
+
+// General NumPy broadcasting: the output index (over `shape`) maps to a and b through strides
+// that are 0 along broadcast dimensions. Visits every output element in order, serially (the
+// backward accumulates into broadcast inputs, where parallel writes would race).
+struct BroadcastPlan {
+  int nd = 0;
+  std::int64_t shape[8] = {};
+  std::int64_t sa[8] = {}, sb[8] = {};
+  std::int64_t numel = 1;
+};
+
+template <class F>
+void for_each_broadcast(const BroadcastPlan& p, F&& f) {
+  if (p.numel == 0) return;
+  if (p.nd == 0) { f(0, 0, 0); return; }
+  std::int64_t idx[8] = {};
+  std::int64_t ia = 0, ib = 0;
+  const int last = p.nd - 1;
+  const std::int64_t n_last = p.shape[last], sa_last = p.sa[last], sb_last = p.sb[last];
+  for (std::int64_t i = 0; i < p.numel; i += n_last) {
+    for (std::int64_t j = 0; j < n_last; ++j) f(i + j, ia + j * sa_last, ib + j * sb_last);
+    // advance the multi-index over all but the last dimension
+    for (int d = last - 1; d >= 0; --d) {
+      ia += p.sa[d];
+      ib += p.sb[d];
+      if (++idx[d] < p.shape[d]) break;
+      ia -= p.sa[d] * p.shape[d];
+      ib -= p.sb[d] * p.shape[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+template <class T, class Op>
+void binary_forward_broadcast(const BroadcastPlan& p, const T* a, const T* b, T* y) {
+  for_each_broadcast(p, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) { y[i] = Op::f(a[ia], b[ib]); });
+}
+template <class T, class Op>
+void binary_backward_broadcast(const BroadcastPlan& p, const T* a, const T* b, const T* dy, T* da, T* db) {
+  for_each_broadcast(p, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
+    const T av = load<Op::kNeedA>(a, ia), bv = load<Op::kNeedB>(b, ib);
+    if (da) da[ia] += dy[i] * Op::da(av, bv);
+    if (db) db[ib] += dy[i] * Op::db(av, bv);
+  });
+}
+
+}  // namespace tg::kernels

@@ -1,0 +1,29 @@
+#pragma once
+// C = alpha * op(A) op(B) + beta * C, row-major, op(X) = X or X^T. M x N result, K inner.
+// gemm() calls OpenBLAS (cblas_sgemm / cblas_dgemm); gemm_naive() is the reference it is tested
+// against: a plain triple loop accumulating in double.
+#include <cstdint>
+
+namespace tg::kernels {
+
+template <class T>
+void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A,
+          std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc);
+
+template <class T>
+void gemm_naive(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A,
+                std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc) {
+  for (std::int64_t m = 0; m < M; ++m)
+    for (std::int64_t n = 0; n < N; ++n) {
+      double acc = 0;
+      for (std::int64_t k = 0; k < K; ++k) {
+        const T a = trans_a ? A[k * lda + m] : A[m * lda + k];
+        const T b = trans_b ? B[n * ldb + k] : B[k * ldb + n];
+        acc += static_cast<double>(a) * b;
+      }
+      T& c = C[m * ldc + n];
+      c = static_cast<T>(alpha * acc + (beta == T(0) ? T(0) : beta * c));  // beta 0 ignores C (BLAS rule)
+    }
+}
+
+}  // namespace tg::kernels

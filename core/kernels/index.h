@@ -1,0 +1,73 @@
+#pragma once
+// Data movement: permuted copies, strided slices, embedding gather / scatter-add.
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/parallel.h"
+
+namespace tg::kernels {
+
+// y = x permuted: y's dimension d is x's dimension perm[d]. `ystride_in_x[d]` is the stride in x
+// of y's dimension d. With Acc, y += instead of =, used to send gradients back through the inverse.
+template <class T, bool Acc = false>
+void permute_copy(const T* x, T* y, int nd, const std::int64_t* yshape, const std::int64_t* ystride_in_x) {
+  std::int64_t n = 1;
+  for (int d = 0; d < nd; ++d) n *= yshape[d];
+  if (n == 0) return;
+  if (nd == 0) { if constexpr (Acc) y[0] += x[0]; else y[0] = x[0]; return; }
+  std::int64_t idx[8] = {};
+  std::int64_t off = 0;
+  const int last = nd - 1;
+  const std::int64_t nl = yshape[last], sl = ystride_in_x[last];
+  for (std::int64_t i = 0; i < n; i += nl) {
+    for (std::int64_t j = 0; j < nl; ++j) {
+      if constexpr (Acc) y[i + j] += x[off + j * sl];
+      else y[i + j] = x[off + j * sl];
+    }
+    for (int d = last - 1; d >= 0; --d) {
+      off += ystride_in_x[d];
+      if (++idx[d] < yshape[d]) break;
+      off -= ystride_in_x[d] * yshape[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+// Strided slice along one dim of an (outer, n, inner) view: y[o, j, i] = x[o, start + j*step, i].
+// With Acc and Back, it runs the other way: dx[o, start + j*step, i] += dy[o, j, i].
+template <class T>
+void slice_forward(const T* x, T* y, std::int64_t outer, std::int64_t n, std::int64_t inner, std::int64_t start,
+                   std::int64_t step, std::int64_t count) {
+  for (std::int64_t o = 0; o < outer; ++o)
+    for (std::int64_t j = 0; j < count; ++j)
+      std::memcpy(y + (o * count + j) * inner, x + (o * n + start + j * step) * inner, sizeof(T) * static_cast<std::size_t>(inner));
+}
+template <class T>
+void slice_backward(const T* dy, T* dx, std::int64_t outer, std::int64_t n, std::int64_t inner, std::int64_t start,
+                    std::int64_t step, std::int64_t count) {
+  for (std::int64_t o = 0; o < outer; ++o)
+    for (std::int64_t j = 0; j < count; ++j) {
+      const T* src = dy + (o * count + j) * inner;
+      T* dst = dx + (o * n + start + j * step) * inner;
+      for (std::int64_t i = 0; i < inner; ++i) dst[i] += src[i];
+    }
+}
+
+// y[r, :] = w[ids[r], :]   (ids already validated to lie in [0, V))
+template <class T>
+void embedding_forward(const T* w, const std::int32_t* ids, T* y, std::int64_t rows, std::int64_t C) {
+  TG_PARALLEL_FOR(rows * C)
+  for (std::int64_t r = 0; r < rows; ++r)
+    std::memcpy(y + r * C, w + static_cast<std::int64_t>(ids[r]) * C, sizeof(T) * static_cast<std::size_t>(C));
+}
+// dw[ids[r], :] += dy[r, :]. Serial over rows: two rows may share an id.
+template <class T>
+void embedding_backward(const T* dy, const std::int32_t* ids, T* dw, std::int64_t rows, std::int64_t C) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    T* dst = dw + static_cast<std::int64_t>(ids[r]) * C;
+    const T* src = dy + r * C;
+    for (std::int64_t c = 0; c < C; ++c) dst[c] += src[c];
+  }
+}
+
+}  // namespace tg::kernels

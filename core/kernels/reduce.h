@@ -1,0 +1,125 @@
+#pragma once
+// Reductions over the middle axis of an (O, R, I) view: y[o, i] = reduce_r x[o, r, i].
+// Any set of contiguous axes is such a view (O = product of the dims before, R of the reduced
+// dims, I of the dims after); other axis sets are permuted to it first (core/ops/reduce.cpp).
+// Accumulation is in double for both dtypes; variance is two-pass (mean, then squared
+// deviations), which does not cancel catastrophically the way E[x^2] - E[x]^2 does.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "kernels/parallel.h"
+
+namespace tg::kernels {
+
+inline constexpr std::int64_t kReduceBlock = 256;  // columns handled together when I > 1
+
+// Calls body(o, i0, i1) over blocks of the output grid, in parallel when the work is large.
+template <class F>
+void for_reduce_blocks(std::int64_t O, std::int64_t R, std::int64_t I, F&& body) {
+  const std::int64_t nb = (I + kReduceBlock - 1) / kReduceBlock;
+  const std::int64_t total = O * nb;
+  TG_PARALLEL_FOR(O * R * I)
+  for (std::int64_t t = 0; t < total; ++t) {
+    const std::int64_t o = t / nb, b = t % nb;
+    body(o, b * kReduceBlock, std::min(I, (b + 1) * kReduceBlock));
+  }
+}
+
+// y[o, i] = scale * sum_r x[o, r, i]   (scale = 1 for sum, 1/R for mean)
+template <class T>
+void sum_forward(const T* x, T* y, std::int64_t O, std::int64_t R, std::int64_t I, double scale) {
+  for_reduce_blocks(O, R, I, [&](std::int64_t o, std::int64_t i0, std::int64_t i1) {
+    double acc[kReduceBlock] = {};
+    for (std::int64_t r = 0; r < R; ++r) {
+      const T* row = x + (o * R + r) * I;
+      for (std::int64_t i = i0; i < i1; ++i) acc[i - i0] += row[i];
+    }
+    for (std::int64_t i = i0; i < i1; ++i) y[o * I + i] = static_cast<T>(acc[i - i0] * scale);
+  });
+}
+// dx[o, r, i] += scale * dy[o, i]
+template <class T>
+void sum_backward(const T* dy, T* dx, std::int64_t O, std::int64_t R, std::int64_t I, double scale) {
+  for_reduce_blocks(O, R, I, [&](std::int64_t o, std::int64_t i0, std::int64_t i1) {
+    for (std::int64_t r = 0; r < R; ++r) {
+      T* row = dx + (o * R + r) * I;
+      for (std::int64_t i = i0; i < i1; ++i) row[i] += static_cast<T>(scale * dy[o * I + i]);
+    }
+  });
+}
+
+// y = sum_r (x - mean)^2 / (R - correction); mean is written out for the backward.
+template <class T>
+void var_forward(const T* x, T* y, T* mean_out, std::int64_t O, std::int64_t R, std::int64_t I, int correction) {
+  const double denom = static_cast<double>(R - correction);
+  for_reduce_blocks(O, R, I, [&](std::int64_t o, std::int64_t i0, std::int64_t i1) {
+    double mu[kReduceBlock] = {}, m2[kReduceBlock] = {};
+    for (std::int64_t r = 0; r < R; ++r) {
+      const T* row = x + (o * R + r) * I;
+      for (std::int64_t i = i0; i < i1; ++i) mu[i - i0] += row[i];
+    }
+    for (std::int64_t i = i0; i < i1; ++i) mu[i - i0] /= static_cast<double>(R);
+    for (std::int64_t r = 0; r < R; ++r) {
+      const T* row = x + (o * R + r) * I;
+      for (std::int64_t i = i0; i < i1; ++i) {
+        const double d = row[i] - mu[i - i0];
+        m2[i - i0] += d * d;
+      }
+    }
+    for (std::int64_t i = i0; i < i1; ++i) {
+      y[o * I + i] = static_cast<T>(m2[i - i0] / denom);
+      mean_out[o * I + i] = static_cast<T>(mu[i - i0]);
+    }
+  });
+}
+// d var / d x_r = 2 (x_r - mean) / (R - correction)   (the mean's own dependence on x_r cancels,
+// because sum_r (x_r - mean) = 0)
+template <class T>
+void var_backward(const T* x, const T* mean, const T* dy, T* dx, std::int64_t O, std::int64_t R, std::int64_t I,
+                  int correction) {
+  const double k = 2.0 / static_cast<double>(R - correction);
+  for_reduce_blocks(O, R, I, [&](std::int64_t o, std::int64_t i0, std::int64_t i1) {
+    for (std::int64_t r = 0; r < R; ++r) {
+      const T* xr = x + (o * R + r) * I;
+      T* dr = dx + (o * R + r) * I;
+      for (std::int64_t i = i0; i < i1; ++i)
+        dr[i] += static_cast<T>(k * dy[o * I + i] * (xr[i] - mean[o * I + i]));
+    }
+  });
+}
+
+// y = max_r x. NaN propagates (as PyTorch's amax).
+template <class T>
+void max_forward(const T* x, T* y, std::int64_t O, std::int64_t R, std::int64_t I) {
+  for_reduce_blocks(O, R, I, [&](std::int64_t o, std::int64_t i0, std::int64_t i1) {
+    for (std::int64_t i = i0; i < i1; ++i) y[o * I + i] = -std::numeric_limits<T>::infinity();
+    for (std::int64_t r = 0; r < R; ++r) {
+      const T* row = x + (o * R + r) * I;
+      for (std::int64_t i = i0; i < i1; ++i) {
+        T& m = y[o * I + i];
+        if (row[i] > m || std::isnan(row[i])) m = std::isnan(m) ? m : row[i];
+      }
+    }
+  });
+}
+// The gradient goes to the elements equal to the max, shared evenly between ties (torch.amax).
+template <class T>
+void max_backward(const T* x, const T* y, const T* dy, T* dx, std::int64_t O, std::int64_t R, std::int64_t I) {
+  for_reduce_blocks(O, R, I, [&](std::int64_t o, std::int64_t i0, std::int64_t i1) {
+    std::int64_t ties[kReduceBlock] = {};
+    for (std::int64_t r = 0; r < R; ++r) {
+      const T* row = x + (o * R + r) * I;
+      for (std::int64_t i = i0; i < i1; ++i) ties[i - i0] += row[i] == y[o * I + i];
+    }
+    for (std::int64_t r = 0; r < R; ++r) {
+      const T* row = x + (o * R + r) * I;
+      T* dr = dx + (o * R + r) * I;
+      for (std::int64_t i = i0; i < i1; ++i)
+        if (row[i] == y[o * I + i]) dr[i] += dy[o * I + i] / static_cast<T>(ties[i - i0]);
+    }
+  });
+}
+
+}  // namespace tg::kernels

@@ -1,0 +1,106 @@
+#pragma once
+// Row-wise softmax and log-softmax over the last axis of a (rows, C) view, and the fused
+// cross-entropy. All subtract the row maximum first, so exp never overflows.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "kernels/parallel.h"
+
+namespace tg::kernels {
+
+// y = exp(x - max) / sum exp(x - max). A row that is entirely -inf (fully masked) gives NaN, as in PyTorch.
+template <class T>
+void softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t C) {
+  TG_PARALLEL_FOR(rows * C)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * C;
+    T* yr = y + r * C;
+    T mx = -std::numeric_limits<T>::infinity();
+    for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
+    double s = 0;
+    for (std::int64_t c = 0; c < C; ++c) {
+      yr[c] = std::exp(xr[c] - mx);
+      s += yr[c];
+    }
+    const T inv = static_cast<T>(1.0 / s);
+    for (std::int64_t c = 0; c < C; ++c) yr[c] *= inv;
+  }
+}
+// dx = y * (dy - sum_c dy_c y_c)
+template <class T>
+void softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::int64_t C) {
+  TG_PARALLEL_FOR(rows * C)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* yr = y + r * C;
+    const T* gr = dy + r * C;
+    T* dr = dx + r * C;
+    double dot = 0;
+    for (std::int64_t c = 0; c < C; ++c) dot += static_cast<double>(gr[c]) * yr[c];
+    for (std::int64_t c = 0; c < C; ++c) dr[c] += yr[c] * (gr[c] - static_cast<T>(dot));
+  }
+}
+
+// y = x - max - log sum exp(x - max)
+template <class T>
+void log_softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t C) {
+  TG_PARALLEL_FOR(rows * C)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * C;
+    T* yr = y + r * C;
+    T mx = -std::numeric_limits<T>::infinity();
+    for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
+    double s = 0;
+    for (std::int64_t c = 0; c < C; ++c) s += std::exp(static_cast<double>(xr[c] - mx));
+    const T lse = static_cast<T>(mx + std::log(s));
+    for (std::int64_t c = 0; c < C; ++c) yr[c] = xr[c] - lse;
+  }
+}
+// dx = dy - exp(y) * sum_c dy_c
+template <class T>
+void log_softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::int64_t C) {
+  TG_PARALLEL_FOR(rows * C)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* yr = y + r * C;
+    const T* gr = dy + r * C;
+    T* dr = dx + r * C;
+    double s = 0;
+    for (std::int64_t c = 0; c < C; ++c) s += gr[c];
+    for (std::int64_t c = 0; c < C; ++c) dr[c] += gr[c] - std::exp(yr[c]) * static_cast<T>(s);
+  }
+}
+
+// Cross-entropy, fused: loss_r = logsumexp(x_r) - x_r[t_r] for rows whose target is not ignored;
+// returns the sum over those rows (in double) and writes each row's logsumexp for the backward.
+template <class T>
+double cross_entropy_forward(const T* x, const std::int32_t* t, T* lse, std::int64_t rows, std::int64_t C,
+                             std::int64_t ignore_index) {
+  double total = 0;
+  TG_PRAGMA(omp parallel for reduction(+ : total) schedule(static) if (rows * C >= kParallelMin))
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * C;
+    T mx = -std::numeric_limits<T>::infinity();
+    for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
+    double s = 0;
+    for (std::int64_t c = 0; c < C; ++c) s += std::exp(static_cast<double>(xr[c] - mx));
+    const double l = mx + std::log(s);
+    lse[r] = static_cast<T>(l);
+    if (t[r] != ignore_index) total += l - xr[t[r]];
+  }
+  return total;
+}
+// dx_r = (softmax(x_r) - onehot(t_r)) * scale for non-ignored rows; scale = dloss / count.
+template <class T>
+void cross_entropy_backward(const T* x, const std::int32_t* t, const T* lse, T scale, T* dx, std::int64_t rows,
+                            std::int64_t C, std::int64_t ignore_index) {
+  TG_PARALLEL_FOR(rows * C)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (t[r] == ignore_index) continue;
+    const T* xr = x + r * C;
+    T* dr = dx + r * C;
+    for (std::int64_t c = 0; c < C; ++c) dr[c] += scale * std::exp(xr[c] - lse[r]);
+    dr[t[r]] -= scale;
+  }
+}
+
+}  // namespace tg::kernels

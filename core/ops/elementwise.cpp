@@ -1,0 +1,155 @@
+// Elementwise ops: binary with NumPy broadcasting, unary, and scalar forms. The math of each
+// forward and derivative sits in its functor in core/kernels/elementwise.h.
+#include <cstring>
+
+#include "dispatch.h"
+#include "kernels/elementwise.h"
+#include "tapegrad/autograd.h"
+#include "tapegrad/ops.h"
+
+namespace tg {
+
+using namespace kernels;
+using detail::dispatch_float;
+
+namespace {
+
+// Right-aligned broadcasting: each pair of dims must be equal or contain a 1.
+Shape broadcast_shapes(const char* op, const Shape& a, const Shape& b) {
+  const int nd = std::max(a.ndim(), b.ndim());
+  Shape out;
+  for (int i = 0; i < nd; ++i) {
+    const int ia = i - (nd - a.ndim()), ib = i - (nd - b.ndim());
+    const std::int64_t da = ia >= 0 ? a[ia] : 1, db = ib >= 0 ? b[ib] : 1;
+    if (da != db && da != 1 && db != 1) fail(op, "shapes ", a, " and ", b, " cannot be broadcast together");
+    out.push_back(da == 1 ? db : da);
+  }
+  return out;
+}
+
+void fill_strides(const Shape& out, const Shape& in, std::int64_t* st) {
+  const int off = out.ndim() - in.ndim();
+  std::int64_t acc = 1;
+  for (int d = out.ndim() - 1; d >= 0; --d) {
+    const int k = d - off;
+    if (k < 0 || in[k] == 1) st[d] = 0;
+    else { st[d] = acc; }
+    if (k >= 0) acc *= in[k];
+  }
+}
+
+BroadcastPlan make_plan(const Shape& out, const Shape& a, const Shape& b) {
+  BroadcastPlan p;
+  p.nd = out.ndim();
+  p.numel = out.numel();
+  for (int d = 0; d < p.nd; ++d) p.shape[d] = out[d];
+  fill_strides(out, a, p.sa);
+  fill_strides(out, b, p.sb);
+  return p;
+}
+
+template <class T>
+const T* ptr_or_null(const Tensor& t) { return t.defined() ? t.data<T>() : nullptr; }
+template <class T>
+T* mut_ptr_or_null(Tensor t) { return t.defined() ? t.data<T>() : nullptr; }
+
+template <class Op>
+Tensor binary(const char* name, const Tensor& a, const Tensor& b) {
+  detail::check_float(name, a);
+  detail::check_float(name, b);
+  detail::check_same_dtype(name, a, b);
+  const Shape out = broadcast_shapes(name, a.shape(), b.shape());
+  const bool same = a.shape() == b.shape();
+  const BroadcastPlan plan = same ? BroadcastPlan{} : make_plan(out, a.shape(), b.shape());
+  Tensor y = Tensor::empty(out, a.dtype());
+  dispatch_float(name, a.dtype(), [&](auto z) {
+    using T = decltype(z);
+    if (same) binary_forward_same<T, Op>(a.data<T>(), b.data<T>(), y.data<T>(), y.numel());
+    else binary_forward_broadcast<T, Op>(plan, a.data<T>(), b.data<T>(), y.data<T>());
+  });
+  if (should_record({&a, &b})) {
+    record(
+        name, {&a, &b}, {&y},
+        [same, plan](Node& n) {
+          const Tensor& dy = n.grad_out();
+          Tensor da = n.grad_in(0), db = n.grad_in(1);
+          dispatch_float("backward", dy.dtype(), [&](auto z) {
+            using T = decltype(z);
+            const T* ap = ptr_or_null<T>(n.saved[0]);
+            const T* bp = ptr_or_null<T>(n.saved[1]);
+            if (same) binary_backward_same<T, Op>(ap, bp, dy.data<T>(), mut_ptr_or_null<T>(da), mut_ptr_or_null<T>(db), dy.numel());
+            else binary_backward_broadcast<T, Op>(plan, ap, bp, dy.data<T>(), mut_ptr_or_null<T>(da), mut_ptr_or_null<T>(db));
+          });
+        },
+        {Op::kNeedA ? a.detach() : Tensor(), Op::kNeedB ? b.detach() : Tensor()});
+  }
+  return y;
+}
+
+template <class Op>
+Tensor unary(const char* name, const Tensor& x, Op op) {
+  detail::check_float(name, x);
+  Tensor y = Tensor::empty(x.shape(), x.dtype());
+  dispatch_float(name, x.dtype(), [&](auto z) {
+    using T = decltype(z);
+    unary_forward<T>(x.data<T>(), y.data<T>(), x.numel(), op);
+  });
+  if (should_record({&x})) {
+    record(
+        name, {&x}, {&y},
+        [op](Node& n) {
+          const Tensor& dy = n.grad_out();
+          Tensor dx = n.grad_in(0);
+          dispatch_float("backward", dy.dtype(), [&](auto z) {
+            using T = decltype(z);
+            unary_backward<T>(ptr_or_null<T>(n.saved[0]), ptr_or_null<T>(n.saved[1]), dy.data<T>(), dx.data<T>(), dy.numel(), op);
+          });
+        },
+        {Op::kX ? x.detach() : Tensor(), Op::kY ? y.detach() : Tensor()});
+  }
+  return y;
+}
+
+void check_scalar(const char* op, double s) {
+  if (std::isnan(s)) fail(op, "scalar operand is NaN");
+}
+
+}  // namespace
+
+Tensor add(const Tensor& a, const Tensor& b) { return binary<AddOp>("add", a, b); }
+Tensor sub(const Tensor& a, const Tensor& b) { return binary<SubOp>("sub", a, b); }
+Tensor mul(const Tensor& a, const Tensor& b) { return binary<MulOp>("mul", a, b); }
+Tensor div(const Tensor& a, const Tensor& b) { return binary<DivOp>("div", a, b); }
+
+Tensor add(const Tensor& a, double s) { check_scalar("add", s); return unary("add", a, AddScalarOp{s}); }
+Tensor sub(const Tensor& a, double s) { check_scalar("sub", s); return unary("sub", a, AddScalarOp{-s}); }
+Tensor mul(const Tensor& a, double s) { check_scalar("mul", s); return unary("mul", a, MulScalarOp{s}); }
+Tensor div(const Tensor& a, double s) {
+  check_scalar("div", s);
+  if (s == 0) fail("div", "division of ", a.shape(), " by the scalar 0");
+  return unary("div", a, MulScalarOp{1.0 / s});
+}
+Tensor rsub(double s, const Tensor& a) { check_scalar("rsub", s); return unary("rsub", a, RsubScalarOp{s}); }
+Tensor rdiv(double s, const Tensor& a) { check_scalar("rdiv", s); return unary("rdiv", a, RdivScalarOp{s}); }
+
+Tensor neg(const Tensor& x) { return unary("neg", x, NegOp{}); }
+Tensor exp(const Tensor& x) { return unary("exp", x, ExpOp{}); }
+Tensor log(const Tensor& x) { return unary("log", x, LogOp{}); }
+Tensor sqrt(const Tensor& x) { return unary("sqrt", x, SqrtOp{}); }
+Tensor rsqrt(const Tensor& x) { return unary("rsqrt", x, RsqrtOp{}); }
+Tensor pow(const Tensor& x, double p) {
+  if (!std::isfinite(p)) fail("pow", "exponent must be finite, got ", p);
+  return unary("pow", x, PowOp{p});
+}
+Tensor abs(const Tensor& x) { return unary("abs", x, AbsOp{}); }
+Tensor tanh(const Tensor& x) { return unary("tanh", x, TanhOp{}); }
+Tensor sigmoid(const Tensor& x) { return unary("sigmoid", x, SigmoidOp{}); }
+Tensor relu(const Tensor& x) { return unary("relu", x, ReluOp{}); }
+Tensor gelu(const Tensor& x, const char* approximate) {
+  const std::string a = approximate ? approximate : "";
+  if (a == "none") return unary("gelu", x, GeluErfOp{});
+  if (a == "tanh") return unary("gelu_tanh", x, GeluTanhOp{});
+  fail("gelu", "approximate must be \"none\" or \"tanh\", got \"", a, "\"");
+}
+
+}  // namespace tg

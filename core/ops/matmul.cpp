@@ -1,0 +1,174 @@
+// matmul: C = op(A) op(B) over broadcast batch dims, every product a BLAS gemm.
+//
+// Backward, with dC the upstream gradient (per batch):
+//   d op(A) = dC op(B)^T,   d op(B) = op(A)^T dC,
+// and when A itself is stored transposed (trans_a) the gradient of the stored matrix is the
+// transpose of d op(A) — which gemm computes directly by swapping operands and flags, so no
+// transposed copy is ever made. beta = 1 makes every gemm accumulate into the gradient buffers,
+// which also sums the contributions of broadcast batch entries.
+#include <algorithm>
+
+#include "dispatch.h"
+#include "kernels/gemm.h"
+#include "kernels/parallel.h"
+#include "tapegrad/autograd.h"
+#include "tapegrad/ops.h"
+
+namespace tg {
+
+using detail::dispatch_float;
+using kernels::gemm;
+
+namespace {
+
+struct MatmulPlan {
+  bool ta = false, tb = false;
+  std::int64_t M = 0, N = 0, K = 0;
+  std::int64_t batch = 1;  // number of output matrices
+  // for output batch index i: offsets (in matrices) of a's and b's matrix
+  std::vector<std::int64_t> ia, ib;
+  bool fold = false;       // b is one 2-D matrix and a is not transposed: one gemm over all rows
+};
+
+MatmulPlan plan_matmul(const Tensor& a, const Tensor& b, bool ta, bool tb, Shape& out) {
+  const char* op = "matmul";
+  if (a.dim() < 2 || b.dim() < 2)
+    fail(op, "needs tensors with at least 2 dims, got ", a.shape(), " @ ", b.shape());
+  MatmulPlan p;
+  p.ta = ta;
+  p.tb = tb;
+  const std::int64_t ar = a.size(-2), ac = a.size(-1), br = b.size(-2), bc = b.size(-1);
+  p.M = ta ? ac : ar;
+  p.K = ta ? ar : ac;
+  const std::int64_t kb = tb ? bc : br;
+  p.N = tb ? br : bc;
+  if (p.K != kb)
+    fail(op, "inner dimensions differ: ", a.shape(), (ta ? "^T" : ""), " @ ", b.shape(), (tb ? "^T" : ""));
+  // broadcast the batch dims
+  const int na = a.dim() - 2, nb = b.dim() - 2, nd = std::max(na, nb);
+  Shape bshape;
+  for (int i = 0; i < nd; ++i) {
+    const int ka = i - (nd - na), kb2 = i - (nd - nb);
+    const std::int64_t da = ka >= 0 ? a.shape()[ka] : 1, db = kb2 >= 0 ? b.shape()[kb2] : 1;
+    if (da != db && da != 1 && db != 1) fail(op, "batch dimensions cannot be broadcast: ", a.shape(), " @ ", b.shape());
+    bshape.push_back(std::max(da, db) == 1 ? std::min(da, db) : std::max(da, db));
+  }
+  out = bshape;
+  out.push_back(p.M);
+  out.push_back(p.N);
+  p.batch = bshape.numel();
+  p.fold = nb == 0 && !ta;
+  if (p.fold) return p;
+  // map each output batch index to a's and b's matrix index
+  p.ia.resize(static_cast<std::size_t>(p.batch));
+  p.ib.resize(static_cast<std::size_t>(p.batch));
+  for (std::int64_t i = 0; i < p.batch; ++i) {
+    std::int64_t rem = i, oa = 0, ob = 0, sa = 1, sb = 1;
+    for (int d = nd - 1; d >= 0; --d) {
+      const std::int64_t idx = rem % bshape[d];
+      rem /= bshape[d];
+      const int ka = d - (nd - na), kb2 = d - (nd - nb);
+      if (ka >= 0) { if (a.shape()[ka] != 1) oa += idx * sa; sa *= a.shape()[ka]; }
+      if (kb2 >= 0) { if (b.shape()[kb2] != 1) ob += idx * sb; sb *= b.shape()[kb2]; }
+    }
+    p.ia[static_cast<std::size_t>(i)] = oa;
+    p.ib[static_cast<std::size_t>(i)] = ob;
+  }
+  return p;
+}
+
+// Per-matrix gemms over the batch; parallel across matrices (each gemm then runs on one thread)
+// when the matrices are small and the destinations distinct.
+template <class F>
+void for_batch(std::int64_t batch, std::int64_t flops_each, bool distinct, F&& f) {
+  const bool par = distinct && batch > 1 && flops_each < (1 << 21);
+  TG_PRAGMA(omp parallel for schedule(static) if (par))
+  for (std::int64_t i = 0; i < batch; ++i) f(i);
+}
+
+bool is_distinct(const std::vector<std::int64_t>& idx) {
+  for (std::size_t i = 0; i < idx.size(); ++i)
+    if (idx[i] != static_cast<std::int64_t>(i)) return false;
+  return true;
+}
+
+}  // namespace
+
+Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
+  detail::check_float("matmul", a);
+  detail::check_float("matmul", b);
+  detail::check_same_dtype("matmul", a, b);
+  Shape out;
+  const MatmulPlan p = plan_matmul(a, b, ta, tb, out);
+  Tensor y = Tensor::empty(out, a.dtype());
+  const std::int64_t lda = a.size(-1), ldb = b.size(-1);
+  const std::int64_t sa = a.size(-2) * lda, sb = b.size(-2) * ldb, sc = p.M * p.N;
+  dispatch_float("matmul", a.dtype(), [&](auto z) {
+    using T = decltype(z);
+    const T *A = a.data<T>(), *B = b.data<T>();
+    T* C = y.data<T>();
+    if (p.M * p.N == 0) return;
+    if (p.K == 0) {  // an empty sum: zeros (and no BLAS call with a zero leading dimension)
+      std::fill(C, C + y.numel(), T(0));
+      return;
+    }
+    if (p.fold) {
+      gemm<T>(false, tb, p.batch * p.M, p.N, p.K, T(1), A, lda, B, ldb, T(0), C, p.N);
+      return;
+    }
+    for_batch(p.batch, p.M * p.N * p.K, true, [&](std::int64_t i) {
+      gemm<T>(ta, tb, p.M, p.N, p.K, T(1), A + p.ia[i] * sa, lda, B + p.ib[i] * sb, ldb, T(0), C + i * sc, p.N);
+    });
+  });
+  if (should_record({&a, &b})) {
+    record(
+        "matmul", {&a, &b}, {&y},
+        [p, lda, ldb, sa, sb, sc](Node& n) {
+          const Tensor& dC = n.grad_out();
+          Tensor dA = n.grad_in(0), dB = n.grad_in(1);
+          dispatch_float("matmul", dC.dtype(), [&](auto z) {
+            using T = decltype(z);
+            const T* A = n.saved[0].data<T>();
+            const T* B = n.saved[1].data<T>();
+            const T* G = dC.data<T>();
+            const bool ta = p.ta, tb = p.tb;
+            if (p.M * p.N * p.K == 0) return;
+            if (p.fold) {
+              const std::int64_t BM = p.batch * p.M;
+              // dA (BM, K) += dC (BM, N) op(B)^T
+              if (dA.defined()) gemm<T>(false, !tb, BM, p.K, p.N, T(1), G, p.N, B, ldb, T(1), dA.data<T>(), lda);
+              // dB += A^T dC  (B stored (K, N)),  or  dC^T A  (B stored (N, K))
+              if (dB.defined()) {
+                if (!tb) gemm<T>(true, false, p.K, p.N, BM, T(1), A, lda, G, p.N, T(1), dB.data<T>(), ldb);
+                else gemm<T>(true, false, p.N, p.K, BM, T(1), G, p.N, A, lda, T(1), dB.data<T>(), ldb);
+              }
+              return;
+            }
+            if (dA.defined()) {
+              T* D = dA.data<T>();
+              for_batch(p.batch, p.M * p.N * p.K, is_distinct(p.ia), [&](std::int64_t i) {
+                const T* Bi = B + p.ib[i] * sb;
+                const T* Gi = G + i * sc;
+                T* Di = D + p.ia[i] * sa;
+                if (!ta) gemm<T>(false, !tb, p.M, p.K, p.N, T(1), Gi, p.N, Bi, ldb, T(1), Di, lda);  // dC op(B)^T
+                else gemm<T>(tb, true, p.K, p.M, p.N, T(1), Bi, ldb, Gi, p.N, T(1), Di, lda);        // op(B) dC^T
+              });
+            }
+            if (dB.defined()) {
+              T* D = dB.data<T>();
+              for_batch(p.batch, p.M * p.N * p.K, is_distinct(p.ib), [&](std::int64_t i) {
+                const T* Ai = A + p.ia[i] * sa;
+                const T* Gi = G + i * sc;
+                T* Di = D + p.ib[i] * sb;
+                if (!tb) gemm<T>(!ta, false, p.K, p.N, p.M, T(1), Ai, lda, Gi, p.N, T(1), Di, ldb);  // op(A)^T dC
+                else gemm<T>(true, ta, p.N, p.K, p.M, T(1), Gi, p.N, Ai, lda, T(1), Di, ldb);        // dC^T op(A)
+              });
+            }
+          });
+        },
+        {a.detach(), b.detach()});
+  }
+  return y;
+}
+
+}  // namespace tg

@@ -1,0 +1,192 @@
+#include "tapegrad/tensor.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#include "dispatch.h"
+#include "tapegrad/autograd.h"
+#include "tapegrad/ops.h"
+
+namespace tg {
+
+namespace {
+std::atomic<std::uint64_t> next_meta_id{1};
+
+void check_shape(const char* op, const Shape& s) {
+  for (int i = 0; i < s.ndim(); ++i)
+    if (s[i] < 0) fail(op, "negative dimension in shape ", s);
+  // Guard against sizes whose byte count overflows.
+  double n = 1;
+  for (int i = 0; i < s.ndim(); ++i) n *= static_cast<double>(s[i]);
+  if (n * 8 > 9.0e18) fail(op, "shape ", s, " is too large");
+}
+}  // namespace
+
+Tensor Tensor::empty(const Shape& shape, DType dtype) {
+  check_shape("empty", shape);
+  auto st = std::make_shared<Storage>(static_cast<std::size_t>(shape.numel()) * itemsize(dtype));
+  return Tensor(std::move(st), shape, dtype);
+}
+
+std::int64_t Tensor::size(int d) const { return shape_[detail::norm_axis("size", d, dim(), shape_)]; }
+
+void Tensor::check_dtype(DType want) const {
+  if (!defined()) fail("data", "tensor is undefined");
+  if (want != dtype_) fail("data", "tensor has dtype ", dtype_, ", requested ", want);
+}
+
+std::int64_t Tensor::flat_index(std::initializer_list<std::int64_t> idx, const char* op) const {
+  if (!defined()) fail(op, "tensor is undefined");
+  if (static_cast<int>(idx.size()) != dim())
+    fail(op, idx.size(), " indices for a ", dim(), "-d tensor of shape ", shape_);
+  std::int64_t flat = 0;
+  int d = 0;
+  for (std::int64_t i : idx) {
+    const std::int64_t n = shape_[d];
+    if (i < -n || i >= n) fail(op, "index ", i, " is out of range for dim ", d, " of shape ", shape_);
+    flat = flat * n + (i < 0 ? i + n : i);
+    ++d;
+  }
+  return flat;
+}
+
+double Tensor::item() const {
+  if (!defined()) fail("item", "tensor is undefined");
+  if (numel() != 1) fail("item", "needs a tensor with one element, got shape ", shape_);
+  return to_vector<double>()[0];
+}
+
+double Tensor::at(std::initializer_list<std::int64_t> idx) const {
+  const std::int64_t i = flat_index(idx, "at");
+  return detail::dispatch_all(dtype_, [&](auto t) {
+    using T = decltype(t);
+    return static_cast<double>(static_cast<const T*>(storage_->data)[i]);
+  });
+}
+
+void Tensor::set(std::initializer_list<std::int64_t> idx, double v) {
+  const std::int64_t i = flat_index(idx, "set");
+  detail::dispatch_all(dtype_, [&](auto t) {
+    using T = decltype(t);
+    static_cast<T*>(storage_->data)[i] = static_cast<T>(v);
+  });
+}
+
+// ---- autograd slot ----
+
+std::shared_ptr<AutogradMeta>& Tensor::ensure_meta() {
+  if (!meta_) {
+    meta_ = std::make_shared<AutogradMeta>();
+    meta_->id = next_meta_id++;
+    meta_->shape = shape_;
+    meta_->dtype = dtype_;
+  }
+  return meta_;
+}
+
+bool Tensor::requires_grad() const { return meta_ && meta_->requires_grad; }
+
+Tensor& Tensor::requires_grad_(bool on) {
+  if (!defined()) fail("requires_grad_", "tensor is undefined");
+  if (on && !is_floating(dtype_)) fail("requires_grad_", "only float tensors can require grad, got ", dtype_, " ", shape_);
+  if (!is_leaf()) fail("requires_grad_", "can only be set on a leaf tensor; use detach() first");
+  if (on || meta_) ensure_meta()->requires_grad = on;
+  return *this;
+}
+
+bool Tensor::is_leaf() const { return !meta_ || meta_->node < 0; }
+
+Tensor Tensor::grad() const { return meta_ ? meta_->grad : Tensor(); }
+
+void Tensor::zero_grad() {
+  if (meta_) meta_->grad = Tensor();
+}
+
+void Tensor::retain_grad() {
+  if (!requires_grad()) fail("retain_grad", "tensor does not require grad");
+  meta_->retains_grad = true;
+}
+
+void Tensor::backward() const { tg::backward(*this); }
+void Tensor::backward(const Tensor& grad, bool keep_tape) const { tg::backward(*this, grad, keep_tape); }
+
+Tensor Tensor::detach() const { return Tensor(storage_, shape_, dtype_); }
+
+Tensor& Tensor::set_name(std::string name) {
+  ensure_meta()->name = std::move(name);
+  return *this;
+}
+
+std::string Tensor::name() const { return meta_ ? meta_->name : std::string(); }
+
+Tensor& AutogradMeta::grad_accumulator() {
+  if (!grad.defined()) grad = zeros(shape, dtype);
+  return grad;
+}
+
+// ---- methods that forward to ops ----
+Tensor Tensor::reshape(const Shape& s) const { return tg::reshape(*this, s); }
+Tensor Tensor::transpose(int d0, int d1) const { return tg::transpose(*this, d0, d1); }
+Tensor Tensor::permute(const std::vector<int>& dims) const { return tg::permute(*this, dims); }
+Tensor Tensor::slice(int d, std::int64_t start, std::int64_t end, std::int64_t step) const {
+  return tg::slice(*this, d, start, end, step);
+}
+Tensor Tensor::clone() const { return tg::clone(*this); }
+Tensor Tensor::to(DType d) const { return tg::to(*this, d); }
+Tensor Tensor::sum(const std::vector<int>& axes, bool keepdim) const { return tg::sum(*this, axes, keepdim); }
+Tensor Tensor::mean(const std::vector<int>& axes, bool keepdim) const { return tg::mean(*this, axes, keepdim); }
+
+// ---- factories ----
+
+Tensor zeros(const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  std::memset(t.raw_data(), 0, t.nbytes());
+  return t;
+}
+
+Tensor full(const Shape& shape, double value, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  detail::dispatch_all(dtype, [&](auto z) {
+    using T = decltype(z);
+    T* p = static_cast<T*>(t.raw_data());
+    const T v = static_cast<T>(value);
+    for (std::int64_t i = 0; i < t.numel(); ++i) p[i] = v;
+  });
+  return t;
+}
+
+Tensor ones(const Shape& shape, DType dtype) { return full(shape, 1.0, dtype); }
+Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), t.dtype()); }
+Tensor ones_like(const Tensor& t) { return ones(t.shape(), t.dtype()); }
+
+Tensor arange(std::int64_t end, DType dtype) { return arange(0.0, static_cast<double>(end), 1.0, dtype); }
+
+Tensor arange(double start, double end, double step, DType dtype) {
+  if (step == 0 || !std::isfinite(step) || !std::isfinite(start) || !std::isfinite(end))
+    fail("arange", "invalid range start=", start, " end=", end, " step=", step);
+  const double n = std::ceil((end - start) / step);
+  const std::int64_t count = n > 0 ? static_cast<std::int64_t>(n) : 0;
+  Tensor t = Tensor::empty(Shape{count}, dtype);
+  detail::dispatch_all(dtype, [&](auto z) {
+    using T = decltype(z);
+    T* p = static_cast<T*>(t.raw_data());
+    for (std::int64_t i = 0; i < count; ++i) p[i] = static_cast<T>(start + static_cast<double>(i) * step);
+  });
+  return t;
+}
+
+Tensor tensor(const std::vector<double>& values, const Shape& shape, DType dtype) {
+  const Shape s = shape.ndim() == 0 && values.size() != 1 ? Shape{static_cast<std::int64_t>(values.size())} : shape;
+  if (s.numel() != static_cast<std::int64_t>(values.size()))
+    fail("tensor", values.size(), " values do not fill shape ", s);
+  Tensor t = Tensor::empty(s, dtype);
+  detail::dispatch_all(dtype, [&](auto z) {
+    using T = decltype(z);
+    T* p = static_cast<T*>(t.raw_data());
+    for (std::size_t i = 0; i < values.size(); ++i) p[i] = static_cast<T>(values[i]);
+  });
+  return t;
+}
+
+}  // namespace tg
