@@ -1,0 +1,162 @@
+// The tape: recording, reverse walk, accumulation, freeing, no_grad, errors, printing.
+#include <sstream>
+
+#include "helpers.h"
+
+using namespace tg;
+using namespace tgtest;
+
+TEST_CASE("backward of a small expression gives the calculus answer") {
+  // f(x, y) = sum(x * y + exp(x)) ; df/dx = y + exp(x), df/dy = x
+  Tensor x = tensor({0.5, -1.0, 2.0}, {3}, float64).requires_grad_();
+  Tensor y = tensor({3.0, 4.0, -5.0}, {3}, float64).requires_grad_();
+  Tensor f = sum(x * y + exp(x));
+  f.backward();
+  for (int i = 0; i < 3; ++i) {
+    CHECK(x.grad().at({i}) == Approx(y.at({i}) + std::exp(x.at({i}))));
+    CHECK(y.grad().at({i}) == Approx(x.at({i})));
+  }
+  CHECK(tape().size() == 0);  // freed after backward
+}
+
+TEST_CASE("gradients accumulate across backward calls until zero_grad") {
+  Tensor w = tensor({2.0}, {1}, float64).requires_grad_();
+  sum(w * w).backward();  // d/dw w^2 = 2w = 4
+  CHECK(w.grad().item() == 4.0);
+  sum(w * 3.0).backward();
+  CHECK(w.grad().item() == 7.0);
+  w.zero_grad();
+  CHECK_FALSE(w.grad().defined());
+  sum(w * 3.0).backward();
+  CHECK(w.grad().item() == 3.0);
+}
+
+TEST_CASE("a tensor used twice receives both contributions") {
+  Tensor x = tensor({3.0}, {1}, float64).requires_grad_();
+  Tensor y = x * x + x;  // dy/dx = 2x + 1 = 7
+  sum(y).backward();
+  CHECK(x.grad().item() == 7.0);
+}
+
+TEST_CASE("backward with an explicit upstream gradient") {
+  Tensor x = tensor({1, 2, 3}, {3}, float64).requires_grad_();
+  Tensor y = x * 2.0;
+  y.backward(tensor({1, 10, 100}, {3}, float64));
+  CHECK(x.grad().to_vector<double>() == std::vector<double>{2, 20, 200});
+}
+
+TEST_CASE("backward errors are clear, never crashes") {
+  Tensor x = tensor({1, 2}, {2}, float64).requires_grad_();
+  Tensor y = x * 2.0;
+  REQUIRE_TG_ERROR(y.backward(), "backward", "scalar", "(2,)");
+  REQUIRE_TG_ERROR(y.backward(ones({3}, float64)), "backward", "(3,)", "(2,)");
+  Tensor s = sum(y);
+  s.backward();
+  REQUIRE_TG_ERROR(s.backward(), "backward", "freed", "keep_tape");
+  Tensor c = tensor({1.0});
+  REQUIRE_TG_ERROR(c.backward(), "backward", "does not require grad");
+  REQUIRE_TG_ERROR(Tensor().backward(), "backward", "undefined");
+}
+
+TEST_CASE("keep_tape allows a second backward; results add up") {
+  Tensor x = tensor({1.5}, {1}, float64).requires_grad_();
+  Tensor s = sum(x * x * x);  // 3 x^2 = 6.75
+  s.backward(ones({}, float64), /*keep_tape=*/true);
+  CHECK(x.grad().item() == Approx(6.75));
+  CHECK(tape().size() > 0);
+  s.backward();
+  CHECK(x.grad().item() == Approx(13.5));
+  CHECK(tape().size() == 0);
+}
+
+TEST_CASE("NoGradGuard stops recording; detach cuts the graph") {
+  Tensor x = tensor({1, 2}, {2}, float64).requires_grad_();
+  {
+    NoGradGuard ng;
+    CHECK_FALSE(grad_enabled());
+    Tensor y = x * 2.0;
+    CHECK_FALSE(y.requires_grad());
+    CHECK(tape().size() == 0);
+  }
+  CHECK(grad_enabled());
+  Tensor z = sum(x.detach() * x);  // only the second factor carries gradient: d/dx = x
+  z.backward();
+  CHECK(x.grad().to_vector<double>() == std::vector<double>{1, 2});
+}
+
+TEST_CASE("intermediate gradients are freed unless retained") {
+  Tensor x = tensor({1, 2}, {2}, float64).requires_grad_();
+  Tensor h = x * 3.0;
+  Tensor k = x * 4.0;
+  k.retain_grad();
+  sum(h * k).backward();
+  CHECK_FALSE(h.grad().defined());
+  REQUIRE(k.grad().defined());
+  CHECK(k.grad().to_vector<double>() == std::vector<double>{3, 6});  // d/dk = h
+  CHECK(x.grad().to_vector<double>() == std::vector<double>{24, 48});  // 2 * 12 x
+  CHECK_FALSE(h.is_leaf());
+  CHECK(x.is_leaf());
+  REQUIRE_TG_ERROR(h.requires_grad_(false), "requires_grad_", "leaf");
+}
+
+TEST_CASE("only inputs that require grad get a gradient") {
+  Tensor a = tensor({1, 2}, {2}, float64).requires_grad_();
+  Tensor b = tensor({3, 4}, {2}, float64);
+  sum(a * b).backward();
+  CHECK(a.grad().defined());
+  CHECK_FALSE(b.grad().defined());
+}
+
+TEST_CASE("the tape prints ops, shapes and bytes, and draws as Graphviz DOT") {
+  Tensor W = randn({3, 4}, float64).requires_grad_().set_name("W");
+  Tensor x = randn({2, 3}, float64);
+  Tensor y = tanh(matmul(x, W));
+  Tensor loss = mean(y);
+  std::ostringstream s;
+  tape().print(s);
+  const std::string t = s.str();
+  CHECK(t.find("tape: 3 nodes") != std::string::npos);
+  CHECK(t.find("matmul") != std::string::npos);
+  CHECK(t.find("(2, 3), (3, 4) W -> (2, 4)") != std::string::npos);
+  CHECK(t.find("tanh") != std::string::npos);
+  CHECK(t.find("mean") != std::string::npos);
+  CHECK(tape()[1].bytes_saved() == 2 * 4 * 8);  // tanh keeps its output
+  CHECK(tape().bytes_saved() == (2 * 3 + 3 * 4) * 8 + 2 * 4 * 8);
+  const std::string dot = tape().to_dot();
+  CHECK(dot.rfind("digraph tape {", 0) == 0);
+  CHECK(dot.find("W\\n(3, 4)") != std::string::npos);
+  CHECK(dot.find("op0 -> t") != std::string::npos);
+  loss.backward();
+  CHECK(W.grad().shape() == Shape{3, 4});
+}
+
+TEST_CASE("float32 and float64 graphs give the same gradients to float32 precision") {
+  Tensor x64 = param64({4, 5}, 11);
+  Tensor x32 = x64.detach().to(float32).requires_grad_();
+  auto f = [](const Tensor& x) { return sum(sigmoid(x) * x + pow(x, 2.0)); };
+  f(x64).backward();
+  f(x32).backward();
+  CHECK(max_abs_diff(x64.grad(), x32.grad().to(float64)) < 1e-5);
+}
+
+TEST_CASE("gradcheck reports a wrong gradient") {
+  // A deliberately wrong op: forward x^2, but recorded with the derivative of x^3.
+  auto wrong = [](const std::vector<Tensor>& in) {
+    const Tensor& x = in[0];
+    Tensor y = Tensor::empty(x.shape(), float64);
+    for (std::int64_t i = 0; i < x.numel(); ++i) y.data<double>()[i] = x.data<double>()[i] * x.data<double>()[i];
+    if (should_record({&x}))
+      record("wrong_square", {&x}, {&y}, [](Node& n) {
+        Tensor dx = n.grad_in(0);
+        const double* xs = n.saved[0].data<double>();
+        for (std::int64_t i = 0; i < dx.numel(); ++i) dx.data<double>()[i] += n.grad_out().data<double>()[i] * 3 * xs[i] * xs[i];
+      }, {x.detach()});
+    return y;
+  };
+  GradcheckReport r = gradcheck(wrong, {param64({3}, 1)});
+  CHECK_FALSE(r.ok);
+  CHECK(r.str().find("FAILED") != std::string::npos);
+  auto right = [](const std::vector<Tensor>& in) { return in[0] * in[0]; };
+  CHECK(gradcheck(right, {param64({3}, 1)}).ok);
+  REQUIRE_TG_ERROR(gradcheck(right, {randn({3}).requires_grad_()}), "gradcheck", "float64");
+}

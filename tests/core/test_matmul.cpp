@@ -1,0 +1,116 @@
+// matmul: the BLAS path against the naive reference, every transpose and batch layout, gradients.
+#include "helpers.h"
+#include "kernels/gemm.h"
+
+using namespace tg;
+using namespace tgtest;
+
+namespace {
+// Reference product through the naive kernel, one batch at a time (a and b already broadcast).
+Tensor naive_matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
+  const std::int64_t M = ta ? a.size(-1) : a.size(-2), K = ta ? a.size(-2) : a.size(-1);
+  const std::int64_t N = tb ? b.size(-2) : b.size(-1);
+  const std::int64_t batch = a.numel() / (M * K);
+  Shape out;
+  for (int d = 0; d + 2 < a.dim(); ++d) out.push_back(a.size(d));
+  out.push_back(M);
+  out.push_back(N);
+  Tensor c = zeros(out, float64);
+  Tensor a64 = a.to(float64), b64 = b.to(float64);
+  for (std::int64_t i = 0; i < batch; ++i)
+    kernels::gemm_naive<double>(ta, tb, M, N, K, 1.0, a64.data<double>() + i * M * K, a.size(-1),
+                                b64.data<double>() + (b.dim() == 2 ? 0 : i * K * N), b.size(-1), 0.0,
+                                c.data<double>() + i * M * N, N);
+  return c;
+}
+}  // namespace
+
+TEST_CASE("gemm (BLAS) agrees with the naive reference for every transpose, alpha and beta") {
+  Generator g(3);
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (auto [M, N, K] : {std::tuple<int, int, int>{5, 7, 3}, {64, 96, 128}, {1, 1, 1}}) {
+        Tensor A = randn(ta ? Shape{K, M} : Shape{M, K}, float64, &g);
+        Tensor B = randn(tb ? Shape{N, K} : Shape{K, N}, float64, &g);
+        Tensor C0 = randn({M, N}, float64, &g);
+        Tensor C1 = C0.clone(), C2 = C0.clone();
+        kernels::gemm<double>(ta, tb, M, N, K, 0.5, A.data<double>(), A.size(1), B.data<double>(), B.size(1), 2.0,
+                              C1.data<double>(), N);
+        kernels::gemm_naive<double>(ta, tb, M, N, K, 0.5, A.data<double>(), A.size(1), B.data<double>(), B.size(1),
+                                    2.0, C2.data<double>(), N);
+        INFO("ta=" << ta << " tb=" << tb << " M=" << M << " N=" << N << " K=" << K);
+        CHECK(max_abs_diff(C1, C2) < 1e-11);
+        // float32 path too
+        Tensor A32 = A.to(float32), B32 = B.to(float32), C32 = C0.to(float32), R32 = C0.to(float32);
+        kernels::gemm<float>(ta, tb, M, N, K, 0.5f, A32.data<float>(), A.size(1), B32.data<float>(), B.size(1), 2.0f,
+                             C32.data<float>(), N);
+        kernels::gemm_naive<float>(ta, tb, M, N, K, 0.5f, A32.data<float>(), A.size(1), B32.data<float>(), B.size(1),
+                                   2.0f, R32.data<float>(), N);
+        CHECK(max_abs_diff(C32, R32) < 1e-3);
+      }
+}
+
+TEST_CASE("matmul forward matches the naive reference: 2-D, batched, folded, transposed") {
+  Generator g(4);
+  for (DType dt : {float32, float64}) {
+    const double tol = dt == float32 ? 1e-4 : 1e-12;
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        Tensor a = randn(ta ? Shape{3, 2, 4, 5} : Shape{3, 2, 5, 4}, dt, &g);  // op(a): (3, 2, 5, 4)
+        Tensor b3 = randn(tb ? Shape{3, 2, 6, 4} : Shape{3, 2, 4, 6}, dt, &g);
+        Tensor b2 = randn(tb ? Shape{6, 4} : Shape{4, 6}, dt, &g);
+        INFO("dtype=" << dt << " ta=" << ta << " tb=" << tb);
+        CHECK(max_abs_diff(matmul(a, b3, ta, tb).to(float64), naive_matmul(a, b3, ta, tb)) < tol);
+        CHECK(max_abs_diff(matmul(a, b2, ta, tb).to(float64), naive_matmul(a, b2, ta, tb)) < tol);
+      }
+  }
+  Tensor x = tensor({1, 2, 3, 4}, {2, 2}, float64);
+  Tensor y = tensor({5, 6, 7, 8}, {2, 2}, float64);
+  CHECK(matmul(x, y).to_vector<double>() == std::vector<double>{19, 22, 43, 50});
+  CHECK(matmul(x, y, true, false).to_vector<double>() == std::vector<double>{26, 30, 38, 44});
+}
+
+TEST_CASE("matmul broadcasts batch dims") {
+  Generator g(5);
+  Tensor a = randn({2, 1, 3, 4}, float64, &g);
+  Tensor b = randn({5, 4, 2}, float64, &g);
+  Tensor c = matmul(a, b);
+  REQUIRE(c.shape() == Shape{2, 5, 3, 2});
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 5; ++j) {
+      Tensor ref = matmul(slice(a, 0, i, i + 1).reshape({3, 4}), slice(b, 0, j, j + 1).reshape({4, 2}));
+      Tensor got = slice(slice(c, 0, i, i + 1), 1, j, j + 1).reshape({3, 2});
+      CHECK(max_abs_diff(ref, got) < 1e-12);
+    }
+}
+
+TEST_CASE("matmul gradients pass gradcheck in every layout") {
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      INFO("ta=" << ta << " tb=" << tb);
+      auto f = [ta, tb](const std::vector<Tensor>& in) { return matmul(in[0], in[1], ta, tb); };
+      // 2-D
+      tgtest::require_gradcheck(f, {tgtest::param64(ta ? Shape{4, 3} : Shape{3, 4}, 1), tgtest::param64(tb ? Shape{5, 4} : Shape{4, 5}, 2)});
+      // batched, same batch
+      tgtest::require_gradcheck(f, {tgtest::param64(ta ? Shape{2, 4, 3} : Shape{2, 3, 4}, 3), tgtest::param64(tb ? Shape{2, 5, 4} : Shape{2, 4, 5}, 4)});
+      // batched a with a shared 2-D b (the folded single-gemm path when !ta)
+      tgtest::require_gradcheck(f, {tgtest::param64(ta ? Shape{2, 4, 3} : Shape{2, 3, 4}, 5), tgtest::param64(tb ? Shape{5, 4} : Shape{4, 5}, 6)});
+      // broadcast on both sides: gradients summed over the broadcast batch entries
+      tgtest::require_gradcheck(f, {tgtest::param64(ta ? Shape{2, 1, 4, 3} : Shape{2, 1, 3, 4}, 7), tgtest::param64(tb ? Shape{3, 5, 4} : Shape{3, 4, 5}, 8)});
+    }
+}
+
+TEST_CASE("matmul with an empty inner dimension gives zeros") {
+  Tensor a = zeros({3, 0}, float64), b = zeros({0, 2}, float64);
+  Tensor c = matmul(a, b);
+  CHECK(c.shape() == Shape{3, 2});
+  for (double v : c.to_vector<double>()) CHECK(v == 0.0);
+}
+
+TEST_CASE("matmul argument errors name the op and both shapes") {
+  REQUIRE_TG_ERROR(matmul(zeros({12, 64, 128}), zeros({96, 384})), "matmul: inner dimensions differ: (12, 64, 128) @ (96, 384)");
+  REQUIRE_TG_ERROR(matmul(zeros({3}), zeros({3, 2})), "matmul", "at least 2 dims", "(3,)");
+  REQUIRE_TG_ERROR(matmul(zeros({2, 3, 4}), zeros({3, 4, 5})), "matmul", "batch", "(2, 3, 4)", "(3, 4, 5)");
+  REQUIRE_TG_ERROR(matmul(zeros({2, 2}), zeros({2, 2}, float64)), "matmul", "float32", "float64");
+  REQUIRE_TG_ERROR(matmul(zeros({2, 2}, int32), zeros({2, 2}, int32)), "matmul", "int32");
+}
