@@ -46,13 +46,44 @@ Tape& tape() {
 }
 
 Node& Tape::push(Node&& n) {
+  if (nodes_.size() >= next_sweep_) sweep();
   nodes_.push_back(std::move(n));
+  ++live_;
   return nodes_.back();
 }
 
 void Tape::clear() {
   nodes_.clear();
+  live_ = 0;
+  next_sweep_ = kFirstSweep;
   ++generation_;
+}
+
+void Tape::free_node(std::size_t i) {
+  Node& n = nodes_[i];
+  if (n.freed) return;
+  n.freed = true;
+  n.saved.clear();
+  n.saved.shrink_to_fit();
+  n.backward = nullptr;
+  n.inputs.clear();
+  n.inputs.shrink_to_fit();
+  --live_;
+}
+
+void Tape::sweep() {
+  // From the newest node back: a node is unreachable when the only owner of each of its outputs'
+  // autograd slots is the node itself. Freeing it drops its references to its inputs, which may
+  // make an earlier node unreachable in turn.
+  for (std::size_t i = nodes_.size(); i-- > 0;) {
+    Node& n = nodes_[i];
+    if (n.freed) continue;
+    bool unreachable = true;
+    for (const auto& o : n.outputs) unreachable = unreachable && o.use_count() == 1;
+    if (unreachable) free_node(i);
+  }
+  if (live_ == 0) clear();
+  else next_sweep_ = std::max(kFirstSweep, 2 * nodes_.size());
 }
 
 std::size_t Tape::bytes_saved() const {
@@ -62,9 +93,10 @@ std::size_t Tape::bytes_saved() const {
 }
 
 void Tape::print(std::ostream& os) const {
-  os << "tape: " << nodes_.size() << " nodes, " << human_bytes(bytes_saved()) << " saved for backward\n";
+  os << "tape: " << live_ << " nodes, " << human_bytes(bytes_saved()) << " saved for backward\n";
   for (std::size_t i = 0; i < nodes_.size(); ++i) {
     const Node& n = nodes_[i];
+    if (n.freed) continue;
     std::ostringstream line;
     line << std::setw(4) << i << "  " << std::left << std::setw(14) << n.op << std::right;
     for (std::size_t k = 0; k < n.input_shapes.size(); ++k) {
@@ -91,6 +123,7 @@ std::string Tape::to_dot() const {
   };
   for (std::size_t i = 0; i < nodes_.size(); ++i) {
     const Node& n = nodes_[i];
+    if (n.freed) continue;
     s << "  op" << i << " [shape=box, style=filled, fillcolor=\"#f6e7c1\", label=\"#" << i << ' ' << n.op
       << "\\nsaved " << human_bytes(n.bytes_saved()) << "\"];\n";
     for (std::size_t k = 0; k < n.inputs.size(); ++k) {
@@ -170,9 +203,25 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   }
   AutogradMeta& rm = *root.meta();
   Tape& tp = tape();
+  const char* freed_msg = "part of the graph of this tensor was freed by an earlier backward(); "
+                          "call backward(grad, /*keep_tape=*/true) to differentiate a graph twice";
   if (rm.node >= 0 && (rm.generation != tp.generation() || rm.node >= static_cast<std::int64_t>(tp.size())))
-    fail("backward", "the tape that recorded this tensor was freed by an earlier backward(); "
-                     "call backward(grad, /*keep_tape=*/true) to differentiate a graph twice");
+    fail("backward", freed_msg);
+
+  // Pass 1, before any gradient is touched: mark what the root depends on, and refuse if any of it
+  // was freed (so a failing call changes nothing).
+  static thread_local std::uint64_t epoch = 0;
+  const std::uint64_t mark = ++epoch;
+  rm.visit = mark;
+  for (std::int64_t i = rm.node; i >= 0; --i) {
+    Node& n = tp.node(static_cast<std::size_t>(i));
+    bool reached = false;
+    for (const auto& o : n.outputs) reached = reached || o->visit == mark;
+    if (!reached) continue;
+    if (n.freed) fail("backward", freed_msg, " (op '", n.op, "', node ", i, ")");
+    for (const auto& in : n.inputs)
+      if (in) in->visit = mark;
+  }
 
   // Accumulate the seed (so backward on a leaf, or twice with keep_tape, adds up).
   {
@@ -184,18 +233,20 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
       for (std::int64_t i = 0; i < g.numel(); ++i) gp[i] += sp[i];
     });
   }
+  // Pass 2: the reverse walk over the marked nodes.
   NoGradGuard no_record;  // backward kernels must not append to the tape they walk
   for (std::int64_t i = rm.node; i >= 0; --i) {
     Node& n = tp.node(static_cast<std::size_t>(i));
-    bool any = false;
-    for (const auto& o : n.outputs) any = any || o->grad.defined();
-    if (!any) continue;
+    bool reached = false;
+    for (const auto& o : n.outputs) reached = reached || (o->visit == mark && o->grad.defined());
+    if (!reached || n.freed) continue;
     n.backward(n);
     // An intermediate gradient is dead once its node has run: free it (PyTorch keeps only leaves').
     for (const auto& o : n.outputs)
       if (!o->retains_grad) o->grad = Tensor();
+    if (!keep_tape) tp.free_node(static_cast<std::size_t>(i));
   }
-  if (!keep_tape) tp.clear();
+  if (tp.live() == 0) tp.clear();
 }
 
 }  // namespace tg

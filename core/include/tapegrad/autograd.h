@@ -4,8 +4,11 @@
 // Every op whose inputs need a gradient appends one Node to a thread-local Tape, in execution
 // order. backward(loss) seeds d loss / d loss = 1 and walks the tape in reverse: the order of
 // execution is already a topological order, so no sort is needed. Each node reads the gradients of
-// its outputs and accumulates (+=) into the gradients of its inputs. Afterwards the tape is
-// cleared, which frees every saved activation, unless the caller keeps it for a second backward.
+// its outputs and accumulates (+=) into the gradients of its inputs. Afterwards the nodes that led
+// to the loss are freed (their saved activations released), unless the caller keeps them for a
+// second backward; other graphs recorded on the same tape stay usable. When no live node is left
+// the tape is emptied. Nodes that nothing can reach any more (every output tensor dropped, e.g. a
+// forward pass made for evaluation without a NoGradGuard) are freed by a sweep as the tape grows.
 #include <cstdint>
 #include <functional>
 #include <iosfwd>
@@ -24,6 +27,7 @@ struct Node {
   std::vector<Shape> input_shapes;                       // for printing
   std::vector<Tensor> saved;                             // what backward reads (activations)
   std::function<void(Node&)> backward;
+  bool freed = false;                                    // consumed by a backward, or unreachable
 
   // The gradient flowing into output i (undefined if nothing downstream reached it).
   const Tensor& grad_out(std::size_t i = 0) const;
@@ -35,11 +39,12 @@ struct Node {
 
 class Tape {
  public:
-  std::size_t size() const { return nodes_.size(); }
+  std::size_t size() const { return nodes_.size(); }   // nodes recorded since the tape was last emptied
+  std::size_t live() const { return live_; }           // of those, not yet freed
   const Node& operator[](std::size_t i) const { return nodes_[i]; }
   std::uint64_t generation() const { return generation_; }
   std::size_t bytes_saved() const;
-  // One line per node: index, op, input shapes -> output shapes, bytes saved for backward.
+  // One line per live node: index, op, input shapes -> output shapes, bytes saved for backward.
   void print(std::ostream& os) const;
   // The recorded graph in Graphviz DOT: tensors as ellipses, ops as boxes.
   std::string to_dot() const;
@@ -49,10 +54,18 @@ class Tape {
 
   Node& push(Node&& n);
   Node& node(std::size_t i) { return nodes_[i]; }
+  // Releases node i's saved tensors, closure and input references.
+  void free_node(std::size_t i);
+  // Frees every live node whose outputs no tensor and no later node refers to; empties the tape
+  // when nothing is left. Runs automatically as the tape grows.
+  void sweep();
 
  private:
   std::vector<Node> nodes_;
   std::uint64_t generation_ = 1;
+  std::size_t live_ = 0;
+  std::size_t next_sweep_ = kFirstSweep;
+  static constexpr std::size_t kFirstSweep = 1 << 14;
 };
 
 // This thread's tape.

@@ -80,6 +80,41 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, std::int64_t i
 // Zeroes each element with probability p and scales the rest by 1/(1-p) when train; identity otherwise.
 Tensor dropout(const Tensor& x, double p, bool train = true);
 
+// ---- normalisation: each one fused op (one tape node) whose backward is the hand-derived
+// gradient in core/kernels/norms.h. weight / bias may be undefined tensors (no gain / no bias).
+// Each has a composite twin in tg::composite built from the primitive ops above, whose gradient
+// comes from the tape; the tests hold the two together.
+
+// LayerNorm over the last axis (F.layer_norm with normalized_shape = (C,)).
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+// RMSNorm over the last axis: x / sqrt(mean(x[..., :k]^2) + eps) * weight + bias with
+// k = ceil(C * p); p = 1 is RMSNorm, p < 1 partial RMSNorm. eps inside the square root.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5, double p = 1.0);
+// BatchNorm (F.batch_norm) of x (N, C) or (N, C, L); with channels_last, x (..., C) normalised over
+// all leading dims (a (B, T, C) activation over B*T rows). In training the batch statistics are
+// used and, when running_mean / running_var are defined, updated in place:
+// running = (1 - momentum) running + momentum * batch, with the unbiased batch variance.
+// Not training (and running stats given): the running statistics normalise.
+Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, double momentum = 0.1, double eps = 1e-5,
+                  bool channels_last = false);
+// Weight normalisation of each row: w_i = g_i v_i / |v_i|, v (out, in), g (out,).
+Tensor weight_norm(const Tensor& v, const Tensor& g);
+// softmax(scale * x) over the last axis of x (..., T, T) with key positions j > query i masked out:
+// scale, masked_fill(causal_mask(T), -inf) and softmax in one op.
+Tensor scaled_causal_softmax(const Tensor& x, double scale);
+
+namespace composite {
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
+Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5, double p = 1.0);
+// Batch statistics (training) when running stats are undefined or training; running stats otherwise.
+// Does not update running statistics.
+Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, double eps = 1e-5, bool channels_last = false);
+Tensor weight_norm(const Tensor& v, const Tensor& g);
+Tensor scaled_causal_softmax(const Tensor& x, double scale);
+}  // namespace composite
+
 // ---- shape ops (all copy except reshape/view; all differentiable) ----
 Tensor reshape(const Tensor& x, const Shape& shape);
 Tensor transpose(const Tensor& x, int d0, int d1);

@@ -1,9 +1,12 @@
 #pragma once
-// Everything: #include <tapegrad/tapegrad.h>
+// Everything, for users of the umbrella target tapegrad::tapegrad: #include <tapegrad/tapegrad.h>
+// (the libraries' own sources include only what they use).
 #include "tapegrad/autograd.h"
 #include "tapegrad/dtype.h"
 #include "tapegrad/error.h"
 #include "tapegrad/gradcheck.h"
+#include "tapegrad/io.h"
+#include "tapegrad/nn.h"
 #include "tapegrad/ops.h"
 #include "tapegrad/random.h"
 #include "tapegrad/shape.h"

@@ -116,6 +116,7 @@ struct AutogradMeta {
   std::int64_t node = -1;          // index of the creating node on the tape; -1 for a leaf
   std::uint64_t generation = 0;    // the tape generation that node belongs to
   std::uint64_t id = 0;            // unique, names the tensor in DOT output
+  std::uint64_t visit = 0;         // marks the tensors a backward pass will reach
   Shape shape;
   DType dtype = DType::f32;
   std::string name;

@@ -1,0 +1,317 @@
+#pragma once
+// Normalisation kernels, forward and backward side by side, with the gradients of Zhang &
+// Sennrich, "Root Mean Square Layer Normalization" (NeurIPS 2019), section 4. Notation per row
+// of n features: a = input, g = gain, b = bias, dy = upstream gradient.
+//
+// Statistics accumulate in double whatever T is, variances are two-pass (mean first, then squared
+// deviations), and per-row statistics are saved for the backward so it never recomputes them.
+// Parameter gradients (dg, db) are sums over rows: each thread accumulates its rows into its own
+// double buffer and the buffers are added in thread order, so results are deterministic for a
+// given thread count.
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/parallel.h"
+
+namespace tg::kernels {
+
+// Calls body(r, acc) for r in [0, rows), in parallel when work is large; acc is the calling
+// thread's zero-initialised double buffer of `width`. Returns the element-wise sum of the buffers.
+template <class F>
+std::vector<double> rows_with_partials(std::int64_t rows, std::int64_t width, std::int64_t work, F&& body) {
+  const bool par = work >= kParallelMin && rows > 1;
+  const int nt = par ? omp_get_max_threads() : 1;
+  std::vector<double> part(static_cast<std::size_t>(nt * width), 0.0);
+  TG_PRAGMA(omp parallel num_threads(nt) if (par))
+  {
+    double* acc = part.data() + static_cast<std::size_t>(omp_get_thread_num() * width);
+    TG_PRAGMA(omp for schedule(static))
+    for (std::int64_t r = 0; r < rows; ++r) body(r, acc);
+  }
+  for (int t = 1; t < nt; ++t)
+    for (std::int64_t j = 0; j < width; ++j) part[static_cast<std::size_t>(j)] += part[static_cast<std::size_t>(t * width + j)];
+  part.resize(static_cast<std::size_t>(width));
+  return part;
+}
+
+// Adds the first n entries of src (the dg part, then the db part) into optional outputs.
+template <class T>
+void add_param_grads(const std::vector<double>& tot, std::int64_t C, T* dg, T* db) {
+  for (std::int64_t j = 0; j < C; ++j) {
+    if (dg) dg[j] += static_cast<T>(tot[static_cast<std::size_t>(j)]);
+    if (db) db[j] += static_cast<T>(tot[static_cast<std::size_t>(C + j)]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm over the last axis of (rows, C):
+//   mu = mean(a), var = mean((a - mu)^2) (biased), rstd = 1 / sqrt(var + eps),
+//   xhat = (a - mu) rstd,  y = xhat g + b.
+// g and b may be null (no affine / no bias).
+template <class T>
+void layer_norm_forward(const T* x, const T* g, const T* b, T* y, T* mean, T* rstd, std::int64_t rows,
+                        std::int64_t C, double eps) {
+  TG_PARALLEL_FOR(rows * C)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * C;
+    T* yr = y + r * C;
+    double mu = 0;
+    for (std::int64_t j = 0; j < C; ++j) mu += xr[j];
+    mu /= static_cast<double>(C);
+    double var = 0;
+    for (std::int64_t j = 0; j < C; ++j) {
+      const double d = xr[j] - mu;
+      var += d * d;
+    }
+    var /= static_cast<double>(C);
+    const double rs = 1.0 / std::sqrt(var + eps);
+    mean[r] = static_cast<T>(mu);
+    rstd[r] = static_cast<T>(rs);
+    for (std::int64_t j = 0; j < C; ++j) {
+      T v = static_cast<T>((xr[j] - mu) * rs);
+      if (g) v *= g[j];
+      if (b) v += b[j];
+      yr[j] = v;
+    }
+  }
+}
+// With dxhat = g dy:  da = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat));
+//                     dg += sum_rows dy xhat;  db += sum_rows dy.
+template <class T>
+void layer_norm_backward(const T* x, const T* g, const T* mean, const T* rstd, const T* dy, T* dx, T* dg, T* db,
+                         std::int64_t rows, std::int64_t C) {
+  const std::vector<double> tot = rows_with_partials(rows, 2 * C, rows * C, [&](std::int64_t r, double* acc) {
+    const T* xr = x + r * C;
+    const T* gr = dy + r * C;
+    const double mu = mean[r], rs = rstd[r];
+    double m1 = 0, m2 = 0;
+    for (std::int64_t j = 0; j < C; ++j) {
+      const double xh = (xr[j] - mu) * rs;
+      const double dxh = g ? static_cast<double>(gr[j]) * g[j] : gr[j];
+      m1 += dxh;
+      m2 += dxh * xh;
+      acc[j] += gr[j] * xh;
+      acc[C + j] += gr[j];
+    }
+    if (!dx) return;
+    m1 /= static_cast<double>(C);
+    m2 /= static_cast<double>(C);
+    T* dr = dx + r * C;
+    for (std::int64_t j = 0; j < C; ++j) {
+      const double xh = (xr[j] - mu) * rs;
+      const double dxh = g ? static_cast<double>(gr[j]) * g[j] : gr[j];
+      dr[j] += static_cast<T>(rs * (dxh - m1 - xh * m2));
+    }
+  });
+  add_param_grads(tot, C, dg, db);
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm (k = C) and partial RMSNorm (k < C) over the last axis of (rows, C):
+//   r = sqrt(mean(a[0:k]^2) + eps),  y = a / r * g + b.
+template <class T>
+void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::int64_t rows, std::int64_t C,
+                      std::int64_t k, double eps) {
+  TG_PARALLEL_FOR(rows * C)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * C;
+    T* yr = y + r * C;
+    double ms = 0;
+    for (std::int64_t j = 0; j < k; ++j) ms += static_cast<double>(xr[j]) * xr[j];
+    ms /= static_cast<double>(k);
+    const double rr = 1.0 / std::sqrt(ms + eps);
+    rrms[r] = static_cast<T>(rr);
+    for (std::int64_t j = 0; j < C; ++j) {
+      T v = static_cast<T>(xr[j] * rr);
+      if (g) v *= g[j];
+      if (b) v += b[j];
+      yr[j] = v;
+    }
+  }
+}
+// The paper's eq. (section 4), generalised to pRMSNorm: r depends only on a[0:k], so
+//   da_i = g_i dy_i / r  -  [i < k] a_i / (k r^3) * sum_{j < n} g_j dy_j a_j
+// (the sum runs over all n outputs, since every y_j is divided by r; only the d r / d a_i factor
+// is restricted to the first k features);  dg += sum_rows dy a / r;  db += sum_rows dy.
+template <class T>
+void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx, T* dg, T* db, std::int64_t rows,
+                       std::int64_t C, std::int64_t k) {
+  const std::vector<double> tot = rows_with_partials(rows, 2 * C, rows * C, [&](std::int64_t r, double* acc) {
+    const T* xr = x + r * C;
+    const T* gr = dy + r * C;
+    const double rr = rrms[r];
+    double s = 0;
+    for (std::int64_t j = 0; j < C; ++j) {
+      const double gdy = g ? static_cast<double>(gr[j]) * g[j] : gr[j];
+      s += gdy * xr[j];
+      acc[j] += gr[j] * xr[j] * rr;
+      acc[C + j] += gr[j];
+    }
+    if (!dx) return;
+    T* dr = dx + r * C;
+    const double c2 = s * rr * rr * rr / static_cast<double>(k);
+    for (std::int64_t j = 0; j < C; ++j) {
+      const double gdy = g ? static_cast<double>(gr[j]) * g[j] : gr[j];
+      dr[j] += static_cast<T>(gdy * rr - (j < k ? xr[j] * c2 : 0.0));
+    }
+  });
+  add_param_grads(tot, C, dg, db);
+}
+
+// ---------------------------------------------------------------------------------------------
+// y = (a - mu_c) rstd_c g_c + b_c with given statistics (used by train and eval).
+template <class T>
+void batch_norm_apply(const T* x, const T* g, const T* b, T* y, const double* mu, const T* rstd, std::int64_t R,
+                      std::int64_t C) {
+  TG_PARALLEL_FOR(R * C)
+  for (std::int64_t r = 0; r < R; ++r) {
+    const T* xr = x + r * C;
+    T* yr = y + r * C;
+    for (std::int64_t c = 0; c < C; ++c) {
+      T v = static_cast<T>((xr[c] - mu[c]) * rstd[c]);
+      if (g) v *= g[c];
+      if (b) v += b[c];
+      yr[c] = v;
+    }
+  }
+}
+
+// BatchNorm over the rows of a channels-last (R, C) view: per channel c,
+//   mu_c = mean over rows, var_c = biased variance, rstd_c = 1 / sqrt(var_c + eps),
+//   y = (a - mu_c) rstd_c g_c + b_c.   (Training mode: batch statistics.)
+// Writes mean, rstd and the biased variance per channel (the caller updates running stats).
+template <class T>
+void batch_norm_forward_train(const T* x, const T* g, const T* b, T* y, double* mean, T* rstd, double* var_out,
+                              std::int64_t R, std::int64_t C, double eps) {
+  std::vector<double> mu = rows_with_partials(R, C, R * C, [&](std::int64_t r, double* acc) {
+    const T* xr = x + r * C;
+    for (std::int64_t c = 0; c < C; ++c) acc[c] += xr[c];
+  });
+  for (double& m : mu) m /= static_cast<double>(R);
+  std::vector<double> var = rows_with_partials(R, C, R * C, [&](std::int64_t r, double* acc) {
+    const T* xr = x + r * C;
+    for (std::int64_t c = 0; c < C; ++c) {
+      const double d = xr[c] - mu[static_cast<std::size_t>(c)];
+      acc[c] += d * d;
+    }
+  });
+  for (std::int64_t c = 0; c < C; ++c) {
+    const auto cc = static_cast<std::size_t>(c);
+    var[cc] /= static_cast<double>(R);
+    var_out[c] = var[cc];
+    mean[c] = mu[cc];
+    rstd[c] = static_cast<T>(1.0 / std::sqrt(var[cc] + eps));
+  }
+  batch_norm_apply(x, g, b, y, mu.data(), rstd, R, C);
+}
+// Training mode (the statistics depend on every row), with dxhat = g dy, per channel over R rows:
+//   da = rstd / R (R dxhat - sum(dxhat) - xhat sum(dxhat xhat));  dg += sum dy xhat;  db += sum dy.
+// Eval mode (fixed running statistics, so y is affine in a):  da = g rstd dy.
+template <class T>
+void batch_norm_backward(const T* x, const T* g, const double* mu, const T* rstd, const T* dy, T* dx, T* dg, T* db,
+                         std::int64_t R, std::int64_t C, bool training) {
+  // sums per channel: [0, C) sum dy xhat, [C, 2C) sum dy
+  const std::vector<double> tot = rows_with_partials(R, 2 * C, R * C, [&](std::int64_t r, double* acc) {
+    const T* xr = x + r * C;
+    const T* gr = dy + r * C;
+    for (std::int64_t c = 0; c < C; ++c) {
+      acc[c] += gr[c] * (xr[c] - mu[c]) * rstd[c];
+      acc[C + c] += gr[c];
+    }
+  });
+  if (dx) {
+    const double invR = 1.0 / static_cast<double>(R);
+    TG_PARALLEL_FOR(R * C)
+    for (std::int64_t r = 0; r < R; ++r) {
+      const T* xr = x + r * C;
+      const T* gr = dy + r * C;
+      T* dr = dx + r * C;
+      for (std::int64_t c = 0; c < C; ++c) {
+        const double gc = g ? static_cast<double>(g[c]) : 1.0;
+        if (!training) {
+          dr[c] += static_cast<T>(gc * rstd[c] * gr[c]);
+          continue;
+        }
+        const double xh = (xr[c] - mu[c]) * rstd[c];
+        // sum(dxhat) = g_c sum(dy), sum(dxhat xhat) = g_c sum(dy xhat)
+        dr[c] += static_cast<T>(gc * rstd[c] * (gr[c] - invR * (tot[static_cast<std::size_t>(C + c)] + xh * tot[static_cast<std::size_t>(c)])));
+      }
+    }
+  }
+  add_param_grads(tot, C, dg, db);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weight normalisation (Salimans & Kingma 2016) of each row i of v (rows, n): w_i = g_i v_i / |v_i|.
+template <class T>
+void weight_norm_forward(const T* v, const T* g, T* w, T* norm, std::int64_t rows, std::int64_t n) {
+  TG_PARALLEL_FOR(rows * n)
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const T* vi = v + i * n;
+    double s = 0;
+    for (std::int64_t j = 0; j < n; ++j) s += static_cast<double>(vi[j]) * vi[j];
+    const double nm = std::sqrt(s);
+    norm[i] = static_cast<T>(nm);
+    for (std::int64_t j = 0; j < n; ++j) w[i * n + j] = static_cast<T>(g[i] * vi[j] / nm);
+  }
+}
+// With s_i = sum_j dw_ij v_ij:  dg_i += s_i / |v_i|;  dv_ij += g_i / |v_i| (dw_ij - v_ij s_i / |v_i|^2).
+template <class T>
+void weight_norm_backward(const T* v, const T* g, const T* norm, const T* dw, T* dv, T* dg, std::int64_t rows,
+                          std::int64_t n) {
+  TG_PARALLEL_FOR(rows * n)
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const T* vi = v + i * n;
+    const T* di = dw + i * n;
+    double s = 0;
+    for (std::int64_t j = 0; j < n; ++j) s += static_cast<double>(di[j]) * vi[j];
+    const double nm = norm[i];
+    if (dg) dg[i] += static_cast<T>(s / nm);
+    if (dv)
+      for (std::int64_t j = 0; j < n; ++j) dv[i * n + j] += static_cast<T>(g[i] / nm * (di[j] - vi[j] * s / (nm * nm)));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scaled causal softmax over (rows, T) where row r is query position i = r mod T:
+//   y_j = exp(s x_j - m) / sum_{j' <= i} exp(s x_j' - m) for j <= i, and 0 for j > i.
+// One pass replaces scale + masked_fill(-inf) + softmax.
+template <class T>
+void causal_softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t Tn, double scale) {
+  TG_PARALLEL_FOR(rows * Tn)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t i = r % Tn;
+    const T* xr = x + r * Tn;
+    T* yr = y + r * Tn;
+    double m = -INFINITY;
+    for (std::int64_t j = 0; j <= i; ++j) m = std::fmax(m, scale * xr[j]);
+    double s = 0;
+    for (std::int64_t j = 0; j <= i; ++j) {
+      const double e = std::exp(scale * xr[j] - m);
+      yr[j] = static_cast<T>(e);
+      s += e;
+    }
+    const double inv = 1.0 / s;
+    for (std::int64_t j = 0; j <= i; ++j) yr[j] = static_cast<T>(yr[j] * inv);
+    for (std::int64_t j = i + 1; j < Tn; ++j) yr[j] = T(0);
+  }
+}
+// dx_j = s y_j (dy_j - sum_j' dy_j' y_j')   (zero where masked, since y_j = 0 there)
+template <class T>
+void causal_softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::int64_t Tn, double scale) {
+  TG_PARALLEL_FOR(rows * Tn)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t i = r % Tn;
+    const T* yr = y + r * Tn;
+    const T* gr = dy + r * Tn;
+    T* dr = dx + r * Tn;
+    double dot = 0;
+    for (std::int64_t j = 0; j <= i; ++j) dot += static_cast<double>(gr[j]) * yr[j];
+    for (std::int64_t j = 0; j <= i; ++j) dr[j] += static_cast<T>(scale * yr[j] * (gr[j] - dot));
+  }
+}
+
+}  // namespace tg::kernels

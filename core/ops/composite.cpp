@@ -1,0 +1,62 @@
+// Composite twins of the fused norms, written with primitive ops only: their gradients come from
+// the tape, independently of the hand-derived kernels. Slower and hungrier (every intermediate is
+// a tensor kept for backward); they exist to check the fused ops and to read next to them.
+#include <cmath>
+#include <limits>
+
+#include "dispatch.h"
+#include "tapegrad/ops.h"
+
+namespace tg::composite {
+
+namespace {
+Tensor affine(Tensor y, const Tensor& weight, const Tensor& bias) {
+  if (weight.defined()) y = y * weight;
+  if (bias.defined()) y = y + bias;
+  return y;
+}
+}  // namespace
+
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  Tensor mu = mean(x, {-1}, true);
+  Tensor xc = x - mu;
+  Tensor var = mean(xc * xc, {-1}, true);  // biased, two-pass
+  return affine(xc * rsqrt(var + eps), weight, bias);
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, double p) {
+  const std::int64_t C = x.size(-1);
+  const std::int64_t k = std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(static_cast<double>(C) * p - 1e-9)));
+  Tensor xk = k == C ? x : slice(x, -1, 0, k);
+  Tensor ms = mean(xk * xk, {-1}, true);
+  return affine(x * rsqrt(ms + eps), weight, bias);
+}
+
+Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, double eps, bool channels_last) {
+  if (!channels_last && x.dim() == 3)
+    return transpose(batch_norm(transpose(x, 1, 2), running_mean, running_var, weight, bias, training, eps, true), 1, 2);
+  const std::int64_t C = x.size(-1);
+  Tensor x2 = x.reshape({-1, C});
+  Tensor y;
+  if (training || !running_mean.defined()) {
+    Tensor mu = mean(x2, {0}, true);
+    Tensor xc = x2 - mu;
+    Tensor var = mean(xc * xc, {0}, true);
+    y = xc * rsqrt(var + eps);
+  } else {
+    y = (x2 - running_mean) * rsqrt(running_var + eps);
+  }
+  return affine(y, weight, bias).reshape(x.shape());
+}
+
+Tensor weight_norm(const Tensor& v, const Tensor& g) {
+  Tensor norm = sqrt(sum(v * v, {1}, true));  // (out, 1)
+  return v * (g.reshape({-1, 1}) / norm);
+}
+
+Tensor scaled_causal_softmax(const Tensor& x, double scale) {
+  return softmax(masked_fill(x * scale, causal_mask(x.size(-1)), -std::numeric_limits<double>::infinity()));
+}
+
+}  // namespace tg::composite
