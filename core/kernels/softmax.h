@@ -52,8 +52,11 @@ void log_softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t C) {
     for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
     double s = 0;
     for (std::int64_t c = 0; c < C; ++c) s += std::exp(static_cast<double>(xr[c] - mx));
-    const T lse = static_cast<T>(mx + std::log(s));
-    for (std::int64_t c = 0; c < C; ++c) yr[c] = xr[c] - lse;
+    // (x - max) - log(s), not x - (max + log(s)): x - max is exact (Sterbenz) and log(s) is
+    // small, whereas rounding max + log(s) to T first loses log(s)'s low digits when |max| is
+    // large (float32 logits near 1000 gave log-probabilities off by ~2e-5).
+    const T logs = static_cast<T>(std::log(s));
+    for (std::int64_t c = 0; c < C; ++c) yr[c] = (xr[c] - mx) - logs;
   }
 }
 // dx = dy - exp(y) * sum_c dy_c

@@ -263,7 +263,9 @@ Tensor to(const Tensor& x, DType dtype) {
       using S = decltype(z);
       const S* s = x.data<S>();
       for (std::int64_t i = 0; i < n; ++i)
-        if (!(s[i] > S(-2147483649.0) && s[i] < S(2147483648.0)))
+        // Compare in double: cast truncates toward zero, so the valid range is (-2^31 - 1, 2^31).
+        // As S = float the bound -2147483649 would round to -2^31 and wrongly reject INT32_MIN.
+        if (!(static_cast<double>(s[i]) > -2147483649.0 && static_cast<double>(s[i]) < 2147483648.0))
           fail("to", "value ", s[i], " at position ", i, " of ", x.shape(), " does not fit int32");
     });
   dispatch_all(x.dtype(), [&](auto zs) {

@@ -8,6 +8,7 @@
 #include "tapegrad/io.h"
 #include "tapegrad/nn.h"
 #include "tapegrad/ops.h"
+#include "tapegrad/optim.h"
 #include "tapegrad/random.h"
 #include "tapegrad/shape.h"
 #include "tapegrad/tensor.h"
