@@ -1,7 +1,11 @@
 #include "tapegrad/nn/gpt.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
+#include <functional>
+
+#include "tapegrad/autograd.h"
 
 #include "tapegrad/ops.h"
 #include "tapegrad/random.h"
@@ -107,6 +111,51 @@ Tensor GPT::loss(const Tensor& ids, const Tensor& targets) {
   if (!targets.defined() || !(targets.shape() == ids.shape()))
     fail("GPT", "targets ", targets.defined() ? targets.shape().str() : "undefined", " must match ids ", ids.shape());
   return cross_entropy(logits.reshape({-1, cfg_.vocab_size}), targets.reshape({-1}));
+}
+
+std::vector<std::int32_t> GPT::generate(const std::vector<std::int32_t>& prompt, std::int64_t n, double temperature,
+                                        std::int64_t top_k, Generator* gen) {
+  if (prompt.empty()) fail("generate", "needs a non-empty prompt");
+  if (n < 0) fail("generate", "number of tokens must be >= 0, got ", n);
+  if (!(temperature > 0) || !std::isfinite(temperature)) fail("generate", "temperature must be positive, got ", temperature);
+  for (std::int32_t t : prompt)
+    if (t < 0 || t >= cfg_.vocab_size) fail("generate", "prompt token ", t, " is out of range for vocab ", cfg_.vocab_size);
+  Generator& g = gen ? *gen : default_generator();
+  NoGradGuard ng;
+  const bool was_training = is_training();
+  eval();
+  std::vector<std::int32_t> ctx = prompt, out;
+  const std::int64_t V = cfg_.vocab_size;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t T = std::min<std::int64_t>(static_cast<std::int64_t>(ctx.size()), cfg_.block_size);
+    std::vector<std::int32_t> window(ctx.end() - T, ctx.end());
+    Tensor logits = forward(from_vector(window, {1, T})).to(DType::f64);  // (1, T, V)
+    const double* last = logits.data<double>() + (T - 1) * V;
+    std::vector<double> z(last, last + V);
+    // keep the top_k largest logits
+    if (top_k > 0 && top_k < V) {
+      std::vector<double> sorted = z;
+      std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.end(), std::greater<double>());
+      const double kth = sorted[static_cast<std::size_t>(top_k - 1)];
+      for (double& v : z)
+        if (v < kth) v = -INFINITY;
+    }
+    const double mx = *std::max_element(z.begin(), z.end());
+    double s = 0;
+    for (double& v : z) s += (v = std::exp((v - mx) / temperature));
+    double u = g.next_uniform() * s;
+    std::int32_t pick = 0;
+    for (std::int64_t k = 0; k < V; ++k) {
+      u -= z[static_cast<std::size_t>(k)];
+      if (u < 0 || k == V - 1) { pick = static_cast<std::int32_t>(k); break; }
+    }
+    // a token of probability 0 is never picked, even at the end of the loop
+    while (z[static_cast<std::size_t>(pick)] == 0 && pick > 0) --pick;
+    ctx.push_back(pick);
+    out.push_back(pick);
+  }
+  train(was_training);
+  return out;
 }
 
 }  // namespace tg::nn

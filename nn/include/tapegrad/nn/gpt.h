@@ -5,7 +5,10 @@
 #include <memory>
 #include <string>
 
+#include <vector>
+
 #include "tapegrad/nn/norms.h"
+#include "tapegrad/random.h"
 
 namespace tg::nn {
 
@@ -56,6 +59,11 @@ class GPT : public Module {
   explicit GPT(const GPTConfig& cfg, DType dtype = DType::f32);
   Tensor forward(const Tensor& ids);                           // int32 (B, T) -> logits (B, T, V)
   Tensor loss(const Tensor& ids, const Tensor& targets);       // mean cross-entropy
+  // Samples n tokens after `prompt` (the context is cropped to block_size), from
+  // softmax(logits / temperature) restricted to the top_k most likely tokens (top_k <= 0: all).
+  // Runs without recording; returns the new tokens only.
+  std::vector<std::int32_t> generate(const std::vector<std::int32_t>& prompt, std::int64_t n, double temperature = 1.0,
+                                     std::int64_t top_k = 0, Generator* gen = nullptr);
   std::string type_name() const override { return "GPT"; }
   const GPTConfig& config() const { return cfg_; }
 

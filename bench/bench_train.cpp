@@ -1,0 +1,64 @@
+// bench_train: the training step of examples/train_lm (same model, data, optimiser and schedule),
+// timed, printing one JSON line with the keys of the PyTorch reference (../shared/bench/torch_gpt.py):
+//   framework, norm, threads, steps, ms_per_step_median, tokens_per_s, train_loss, val_loss, peak_rss_mb
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "lm/trainer.h"
+
+int main(int argc, char** argv) {
+  lm::TrainConfig c;
+  std::string norm = "rmsnorm";
+  int threads = 0;
+  c.data = "data/tinyshakespeare.txt";
+  c.eval_interval = 1 << 30;  // evaluate once, at the end (as the reference)
+  CLI::App app{"Time the train_lm training step; prints one JSON line comparable with torch_gpt.py."};
+  app.add_option("--data", c.data, "UTF-8 text corpus")->capture_default_str();
+  app.add_option("--norm", norm, "layernorm|rmsnorm|prmsnorm|batchnorm|none")
+      ->check(CLI::IsMember({"layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none"}))->capture_default_str();
+  app.add_option("--steps", c.steps, "training iterations")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--threads", threads, "threads (default: all cores)")->check(CLI::Range(1, 1024));
+  app.add_option("--n-layer", c.model.n_layer)->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--n-head", c.model.n_head)->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--n-embd", c.model.n_embd)->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--block-size", c.model.block_size)->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--batch-size", c.batch_size)->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--eval-iters", c.eval_iters, "batches per split for the final loss estimate (0: skip)")->capture_default_str();
+  app.add_option("--seed", c.seed)->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "bench_train: error: " << e.what() << "\n";
+    return 2;
+  }
+  try {
+    if (threads > 0) tg::set_num_threads(threads);
+    c.model.norm = tg::nn::parse_norm_kind(norm);
+    c.progress = false;
+    lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
+    lm::RunResult r = lm::train(c, corpus);
+    nlohmann::ordered_json j;
+    auto round_to = [](double v, double q) { return std::round(v / q) * q; };
+    j["framework"] = "tapegrad-0.1.0";
+    j["norm"] = norm;
+    j["threads"] = tg::get_num_threads();
+    j["steps"] = c.steps;
+    j["ms_per_step_median"] = round_to(r.ms_per_step_median, 1e-3);
+    j["tokens_per_s"] = round_to(r.tokens_per_s, 0.1);
+    if (c.eval_iters > 0) {
+      j["train_loss"] = round_to(r.final_train, 1e-4);
+      j["val_loss"] = round_to(r.final_val, 1e-4);
+    }
+    j["peak_rss_mb"] = round_to(lm::peak_rss_mb(), 0.1);
+    std::cout << j.dump() << std::endl;
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "bench_train: error: " << e.what() << "\n";
+    return 2;
+  }
+}

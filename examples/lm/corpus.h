@@ -1,0 +1,32 @@
+#pragma once
+// A character-level corpus: UTF-8 text decoded to code points, the sorted set of distinct
+// characters as the vocabulary, and a 90/10 train/validation split (as in the PyTorch reference).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <tapegrad/tapegrad.h>
+
+namespace lm {
+
+struct Corpus {
+  std::string path;
+  std::vector<char32_t> vocab;       // sorted code points; token id = index
+  std::vector<std::int32_t> train, val;
+  std::int64_t vocab_size() const { return static_cast<std::int64_t>(vocab.size()); }
+  std::string decode(const std::vector<std::int32_t>& ids) const;
+  std::string vocab_utf8() const;    // the vocabulary as one UTF-8 string (stored in checkpoints)
+};
+
+// Throws tg::Error with a one-line reason for a missing, empty, binary (NUL bytes or invalid
+// UTF-8) or too short file (each split needs more than block_size + 1 characters).
+Corpus load_corpus(const std::string& path, std::int64_t block_size);
+
+std::string encode_utf8(char32_t c);
+
+// A random batch (x, y) of shape (B, T): windows of the split starting at uniform positions,
+// y shifted by one. Positions come from gen, so a saved generator state replays the same batches.
+void sample_batch(const std::vector<std::int32_t>& split, std::int64_t B, std::int64_t T, tg::Generator& gen,
+                  tg::Tensor& x, tg::Tensor& y);
+
+}  // namespace lm
