@@ -23,6 +23,26 @@ void dispatch(const char* op, DType d, F&& f) {
   else fail(op, "parameters must be float32 or float64, got ", d);
 }
 
+// The per-parameter state keys an optimizer of a known kind keeps: scalar (a float64 0-d tensor)
+// or a buffer shaped like its parameter. Unknown subclasses get no entry (any key is accepted).
+struct StateKey {
+  const char* key;
+  bool scalar;
+};
+bool known_state_keys(const Optimizer& o, std::vector<StateKey>& keys) {
+  if (const auto* a = dynamic_cast<const Adam*>(&o)) {
+    keys = {{"step", true}, {"exp_avg", false}, {"exp_avg_sq", false}};
+    if (a->amsgrad) keys.push_back({"max_exp_avg_sq", false});
+    return true;
+  }
+  if (const auto* s = dynamic_cast<const SGD*>(&o)) {
+    keys.clear();
+    if (s->momentum != 0) keys = {{"initialized", true}, {"momentum_buffer", false}};
+    return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 // ---- Optimizer ----
@@ -38,8 +58,11 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, std::string name, double de
     if (!std::isfinite(pg.weight_decay)) fail(name_.c_str(), "invalid weight_decay value: ", pg.weight_decay);
     for (std::size_t k = 0; k < pg.params.size(); ++k) {
       const Tensor& p = pg.params[k];
-      if (!p.defined() || !is_floating(p.dtype()) || !p.is_leaf())
-        fail(name_.c_str(), "parameter ", k, " of group ", g, " must be a defined float leaf tensor");
+      // The message says what the parameter is (PyTorch 1.13: "can't optimize a non-leaf Tensor").
+      if (!p.defined()) fail(name_.c_str(), "parameter ", k, " of group ", g, " is an undefined tensor");
+      if (!is_floating(p.dtype()) || !p.is_leaf())
+        fail(name_.c_str(), "parameter ", k, " of group ", g, " must be a float leaf tensor, got ",
+             p.is_leaf() ? "a leaf " : "a non-leaf ", p.dtype(), ' ', p.shape());
     }
     n += pg.params.size();
   }
@@ -104,6 +127,12 @@ void Optimizer::load_state_dict(const StateDict& sd) {
   std::vector<std::string> errors;
   std::vector<std::vector<std::pair<std::string, Tensor>>> next(state_.size());
   std::vector<double> lrs(groups_.size(), -1), wds(groups_.size(), -1);
+  // A key this optimizer never creates (another optimizer's buffer, a typo, amsgrad's maximum
+  // without amsgrad) or a scalar where a buffer belongs would otherwise be accepted and then read
+  // out of bounds or silently ignored by step(). (PyTorch 1.13's load_state_dict copies state
+  // entries unchecked; tapegrad's step() reads raw memory, so it checks every key.)
+  std::vector<StateKey> keys;
+  const bool known = known_state_keys(*this, keys);
   for (const auto& [key, t] : sd) {
     std::istringstream in(key);
     std::string kind, idx, rest;
@@ -118,8 +147,16 @@ void Optimizer::load_state_dict(const StateDict& sd) {
       (rest == "lr" ? lrs : wds)[n] = t.item();
     } else if (kind == "state" && num_ok && n < state_.size() && !rest.empty()) {
       const Tensor& p = *params[n];
-      const bool scalar = t.dim() == 0 && t.dtype() == DType::f64;
-      const bool buffer = t.shape() == p.shape() && t.dtype() == p.dtype();
+      bool scalar = t.dim() == 0 && t.dtype() == DType::f64;
+      bool buffer = t.shape() == p.shape() && t.dtype() == p.dtype();
+      if (known) {
+        const StateKey* k = nullptr;
+        for (const auto& c : keys)
+          if (rest == c.key) k = &c;
+        if (!k) { errors.push_back(key + ": unexpected key (" + name_ + " keeps no such state)"); continue; }
+        if (k->scalar && !scalar) { errors.push_back(key + ": expected a float64 scalar"); continue; }
+        if (!k->scalar) scalar = false;
+      }
       if (!scalar && !buffer) {
         std::ostringstream s;
         s << key << ": " << t.dtype() << ' ' << t.shape() << " does not fit parameter " << n << ' ' << p.dtype() << ' ' << p.shape();
@@ -153,7 +190,9 @@ SGD::SGD(std::vector<ParamGroup> groups, double lr, double m, double d, double w
   if (!(m >= 0) || !std::isfinite(m)) fail("SGD", "invalid momentum value: ", m);
   if (!(wd >= 0) || !std::isfinite(wd)) fail("SGD", "invalid weight_decay value: ", wd);
   if (!std::isfinite(d)) fail("SGD", "invalid dampening value: ", d);
-  if (nesterov && (m <= 0 || d != 0)) fail("SGD", "nesterov momentum requires a momentum and zero dampening");
+  // PyTorch 1.13's rule ("Nesterov momentum requires a momentum and zero dampening"), plus the values.
+  if (nesterov && (m <= 0 || d != 0))
+    fail("SGD", "nesterov momentum requires a momentum and zero dampening, got momentum ", m, " and dampening ", d);
 }
 
 SGD::SGD(std::vector<Tensor> params, double lr, double m, double d, double wd, bool nest)

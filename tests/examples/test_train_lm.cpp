@@ -1,0 +1,197 @@
+// The training program's building blocks: corpus loading and its errors, exact resume, seeded
+// reproducibility, checkpoints, the summary and the chart.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "helpers.h"
+#include "lm/report.h"
+#include "lm/trainer.h"
+
+namespace fs = std::filesystem;
+using namespace tg;
+
+namespace {
+
+fs::path scratch(const std::string& name) {
+  fs::path d = fs::temp_directory_path() / ("tapegrad_test_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+// A small corpus with some structure to learn: deterministic pseudo-sentences.
+std::string make_corpus(const fs::path& dir) {
+  const char* words[] = {"the", "norm", "of", "a", "row", "is", "its", "root", "mean", "square", "and", "gain"};
+  std::ostringstream s;
+  Generator g(3);
+  for (int i = 0; i < 6000; ++i) s << words[g.next_int(0, 12)] << (i % 11 == 10 ? ".\n" : " ");
+  const fs::path p = dir / "corpus.txt";
+  std::ofstream(p) << s.str();
+  return p.string();
+}
+
+lm::TrainConfig tiny(const std::string& data) {
+  lm::TrainConfig c;
+  c.data = data;
+  c.model.n_layer = 1;
+  c.model.n_head = 2;
+  c.model.n_embd = 16;
+  c.model.block_size = 16;
+  c.batch_size = 4;
+  c.steps = 200;
+  c.warmup = 10;
+  c.eval_interval = 50;
+  c.eval_iters = 2;
+  c.progress = false;
+  c.model.dropout = 0.1;  // so the dropout generator's state must be restored too
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("a run stopped at step 100 and resumed equals one run of 200 steps, bit for bit", "[lm]") {
+  const fs::path dir = scratch("resume");
+  const std::string data = make_corpus(dir);
+  lm::Corpus corpus = lm::load_corpus(data, 16);
+  for (auto kind : {nn::NormKind::rmsnorm, nn::NormKind::batchnorm}) {
+    INFO(nn::to_string(kind));
+    lm::TrainConfig c = tiny(data);
+    c.model.norm = kind;
+    c.out = (dir / "straight").string();
+    lm::RunResult straight = lm::train(c, corpus);
+
+    lm::TrainConfig first = c;
+    first.out = (dir / "split").string();
+    first.steps = 100;
+    first.lr_decay_iters = 200;  // the same schedule as the 200-step run
+    lm::RunResult a = lm::train(first, corpus);
+    lm::TrainConfig second = lm::read_checkpoint_config(first.out);
+    CHECK(second.steps == 100);
+    second.steps = 200;
+    second.out = first.out;
+    second.progress = false;
+    lm::RunResult b = lm::train(second, corpus, /*resume=*/true);
+    CHECK(b.start_step == 100);
+
+    REQUIRE(straight.step_loss.size() == 200);
+    REQUIRE(a.step_loss.size() + b.step_loss.size() == 200);
+    std::vector<double> joined = a.step_loss;
+    joined.insert(joined.end(), b.step_loss.begin(), b.step_loss.end());
+    CHECK(joined == straight.step_loss);
+    CHECK(straight.final_val == b.final_val);
+    // the final weights are identical too
+    StateDict w1 = load_safetensors((dir / "straight" / "model.safetensors").string());
+    StateDict w2 = load_safetensors((dir / "split" / "model.safetensors").string());
+    for (const auto& [k, t] : w1) CHECK(tgtest::max_abs_diff(t, w2.at(k)) == 0.0);
+    // metrics.csv has every evaluation once, in order
+    std::ifstream m(dir / "split" / "metrics.csv");
+    std::string line;
+    std::vector<std::string> steps;
+    std::getline(m, line);
+    while (std::getline(m, line)) steps.push_back(line.substr(0, line.find(',')));
+    CHECK(steps == std::vector<std::string>{"50", "100", "150", "200"});
+    fs::remove_all(dir / "straight");
+    fs::remove_all(dir / "split");
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("the same seed gives the same losses; every norm starts from the same weights", "[lm]") {
+  const fs::path dir = scratch("seed");
+  const std::string data = make_corpus(dir);
+  lm::Corpus corpus = lm::load_corpus(data, 16);
+  lm::TrainConfig c = tiny(data);
+  c.steps = 30;
+  c.model.dropout = 0;
+  lm::RunResult r1 = lm::train(c, corpus), r2 = lm::train(c, corpus);
+  CHECK(r1.step_loss == r2.step_loss);
+  c.seed = 7;
+  CHECK(lm::train(c, corpus).step_loss != r1.step_loss);
+  // LayerNorm and RMSNorm with unit gains start as nearly the same function: same first-step loss
+  // to about 1e-3 (they differ only by the mean subtraction), same data order.
+  c.seed = 1337;
+  c.steps = 1;
+  c.model.norm = nn::NormKind::layernorm;
+  const double ln = lm::train(c, corpus).step_loss[0];
+  c.model.norm = nn::NormKind::rmsnorm;
+  const double rms = lm::train(c, corpus).step_loss[0];
+  CHECK(std::fabs(ln - rms) < 0.05);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("corpus errors are one clear sentence", "[lm]") {
+  const fs::path dir = scratch("corpus");
+  REQUIRE_TG_ERROR(lm::load_corpus((dir / "missing.txt").string(), 16), "data", "cannot open");
+  std::ofstream(dir / "empty.txt").close();
+  REQUIRE_TG_ERROR(lm::load_corpus((dir / "empty.txt").string(), 16), "data", "empty");
+  {
+    std::ofstream f(dir / "bin.dat", std::ios::binary);
+    f << std::string("ab\0cd", 5);
+  }
+  REQUIRE_TG_ERROR(lm::load_corpus((dir / "bin.dat").string(), 16), "data", "binary");
+  std::ofstream(dir / "latin1.txt") << "caf\xe9 au lait, " << std::string(400, 'x');
+  REQUIRE_TG_ERROR(lm::load_corpus((dir / "latin1.txt").string(), 16), "data", "UTF-8");
+  std::ofstream(dir / "short.txt") << "too short";
+  REQUIRE_TG_ERROR(lm::load_corpus((dir / "short.txt").string(), 16), "data", "9 characters", "180");
+  // UTF-8 text is read by code point
+  std::ofstream(dir / "utf8.txt") << std::string(300, 'a') << "\xc3\xa9\xe2\x82\xac" << std::string(300, 'b');
+  lm::Corpus c = lm::load_corpus((dir / "utf8.txt").string(), 16);
+  CHECK(c.vocab_size() == 4);
+  CHECK(c.train.size() + c.val.size() == 602);
+  CHECK(c.decode({2, 3}) == "\xc3\xa9\xe2\x82\xac");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("checkpoints are complete files: a resume from a damaged one is refused", "[lm]") {
+  const fs::path dir = scratch("ckpt");
+  const std::string data = make_corpus(dir);
+  lm::Corpus corpus = lm::load_corpus(data, 16);
+  lm::TrainConfig c = tiny(data);
+  c.steps = 20;
+  c.eval_interval = 10;
+  c.out = (dir / "run").string();
+  lm::train(c, corpus);
+  const fs::path ck = dir / "run" / "checkpoint.safetensors";
+  REQUIRE(fs::exists(ck));
+  CHECK_FALSE(fs::exists(dir / "run" / "checkpoint.safetensors.tmp"));
+  fs::resize_file(ck, fs::file_size(ck) / 2);
+  lm::TrainConfig r = c;
+  r.steps = 30;
+  CHECK_THROWS_AS(lm::train(r, corpus, true), Error);
+  REQUIRE_TG_ERROR(lm::read_checkpoint_config((dir / "nothing").string()), "resume", "no checkpoint");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("the summary and the chart show every norm", "[lm]") {
+  std::vector<lm::RunResult> runs;
+  for (const char* n : {"layernorm", "rmsnorm"})
+    for (int s = 0; s < 2; ++s) {
+      lm::RunResult r;
+      r.norm = n;
+      r.seed = static_cast<std::uint64_t>(s);
+      r.parameters = 100;
+      for (int k = 1; k <= 3; ++k) r.evals.push_back({k * 100, 3.0 - 0.3 * k, 3.1 - 0.3 * k - 0.1 * s, 1e-3, 10, 1000});
+      r.final_val = r.evals.back().val_loss;
+      r.best_val = r.final_val;
+      r.final_train = r.evals.back().train_loss;
+      runs.push_back(r);
+    }
+  const std::string table = lm::summary_table(runs);
+  CHECK(table.find("| layernorm | 100 | 2 | 2.1500 ± 0.0707 |") != std::string::npos);
+  CHECK(table.find("| rmsnorm |") != std::string::npos);
+  const std::string md = lm::summary_markdown(runs, "Settings: test.");
+  CHECK(md.find("BatchNorm is not comparable") != std::string::npos);
+  const std::string svg = lm::val_loss_svg(runs, "Validation loss");
+  CHECK(svg.rfind("<svg", 0) == 0);
+  CHECK(std::count(svg.begin(), svg.end(), '\n') > 20);
+  CHECK(svg.find("<polyline") != std::string::npos);
+  CHECK(svg.find(">layernorm</text>") != std::string::npos);
+  CHECK(svg.find(">rmsnorm</text>") != std::string::npos);
+  CHECK(svg.find("training step") != std::string::npos);
+  auto [m, sd] = lm::mean_sd({1.0, 2.0, 3.0});
+  CHECK(m == 2.0);
+  CHECK(sd == 1.0);
+}
