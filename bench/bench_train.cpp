@@ -42,19 +42,25 @@ int main(int argc, char** argv) {
     c.progress = false;
     lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
     lm::RunResult r = lm::train(c, corpus);
+    // Numbers rounded as the reference rounds them (3, 1 and 4 decimals), written as text so
+    // that no binary-to-decimal noise (1543.9850000000001) appears.
+    auto num = [](double v, int decimals) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
+      return nlohmann::json::parse(buf);
+    };
     nlohmann::ordered_json j;
-    auto round_to = [](double v, double q) { return std::round(v / q) * q; };
     j["framework"] = "tapegrad-0.1.0";
     j["norm"] = norm;
     j["threads"] = tg::get_num_threads();
     j["steps"] = c.steps;
-    j["ms_per_step_median"] = round_to(r.ms_per_step_median, 1e-3);
-    j["tokens_per_s"] = round_to(r.tokens_per_s, 0.1);
+    j["ms_per_step_median"] = num(r.ms_per_step_median, 3);
+    j["tokens_per_s"] = num(r.tokens_per_s, 1);
     if (c.eval_iters > 0) {
-      j["train_loss"] = round_to(r.final_train, 1e-4);
-      j["val_loss"] = round_to(r.final_val, 1e-4);
+      j["train_loss"] = num(r.final_train, 4);
+      j["val_loss"] = num(r.final_val, 4);
     }
-    j["peak_rss_mb"] = round_to(lm::peak_rss_mb(), 0.1);
+    j["peak_rss_mb"] = num(lm::peak_rss_mb(), 1);
     std::cout << j.dump() << std::endl;
     return 0;
   } catch (const std::exception& e) {
