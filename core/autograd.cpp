@@ -98,9 +98,12 @@ void Tape::print(std::ostream& os) const {
     const Node& n = nodes_[i];
     if (n.freed) continue;
     std::ostringstream line;
-    line << std::setw(4) << i << "  " << std::left << std::setw(14) << n.op << std::right;
+    line << std::setw(4) << i << "  " << std::left << std::setw(22) << n.op << std::right;
+    bool first = true;
     for (std::size_t k = 0; k < n.input_shapes.size(); ++k) {
-      line << (k ? ", " : "") << n.input_shapes[k];
+      if (k < 64 && (n.undefined_inputs >> k & 1)) continue;  // an absent optional input (e.g. no bias)
+      line << (first ? "" : ", ") << n.input_shapes[k];
+      first = false;
       if (n.needs_grad(k) && !n.inputs[k]->name.empty()) line << ' ' << n.inputs[k]->name;
     }
     line << " -> ";
@@ -162,9 +165,11 @@ Node& record(const char* op, const std::vector<const Tensor*>& inputs, const std
   n.op = op;
   n.inputs.reserve(inputs.size());
   n.input_shapes.reserve(inputs.size());
-  for (const Tensor* t : inputs) {
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const Tensor* t = inputs[i];
     n.inputs.push_back(t->requires_grad() ? t->meta() : nullptr);
     n.input_shapes.push_back(t->shape());
+    if (!t->defined() && i < 64) n.undefined_inputs |= std::uint64_t(1) << i;
   }
   n.outputs.reserve(outputs.size());
   for (Tensor* t : outputs) {

@@ -56,8 +56,10 @@ int main(int argc, char** argv) {
   app.add_option("--sample", c.sample, "characters to generate after training")->check(CLI::NonNegativeNumber);
   app.add_option("--temperature", c.temperature, "sampling temperature")->check(CLI::Range(1e-3, 100.0))->capture_default_str();
   app.add_option("--top-k", c.top_k, "sample among the k most likely characters (0: all)")->check(CLI::NonNegativeNumber)->capture_default_str();
-  bool quiet = false;
+  bool quiet = false, trace = false;
   app.add_flag("--quiet", quiet, "no progress output");
+  app.add_flag("--trace", trace, "print the tape of one training step (ops, shapes, bytes saved) and exit; "
+                                 "with --out also write it as Graphviz DOT (tape.dot)");
 
   try {
     app.parse(argc, argv);
@@ -75,6 +77,26 @@ int main(int argc, char** argv) {
     c.model.norm = tg::nn::parse_norm_kind(norm);
     std::vector<lm::RunResult> runs;
 
+    if (trace) {
+      lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
+      c.model.vocab_size = corpus.vocab_size();
+      tg::manual_seed(c.seed);
+      tg::nn::GPT model(c.model);
+      tg::Generator g(c.seed);
+      tg::Tensor x, y;
+      lm::sample_batch(corpus.train, c.batch_size, c.model.block_size, g, x, y);
+      tg::Tensor loss = model.loss(x, y);
+      std::cout << "One training step of the " << norm << " GPT (batch " << c.batch_size << ", context "
+                << c.model.block_size << ", width " << c.model.n_embd << "), as recorded on the tape:\n";
+      tg::tape().print(std::cout);
+      if (!c.out.empty()) {
+        fs::create_directories(c.out);
+        std::ofstream(fs::path(c.out) / "tape.dot") << tg::tape().to_dot();
+        std::cout << "Graphviz: " << (fs::path(c.out) / "tape.dot").string() << " (dot -Tsvg tape.dot -o tape.svg)\n";
+      }
+      loss.backward();
+      return 0;
+    }
     if (!resume.empty()) {
       // The run's own configuration; only the total steps (and threads) come from this command line.
       lm::TrainConfig r = lm::read_checkpoint_config(resume);

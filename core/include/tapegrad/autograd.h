@@ -25,6 +25,7 @@ struct Node {
   std::vector<std::shared_ptr<AutogradMeta>> inputs;    // null where an input needs no gradient
   std::vector<std::shared_ptr<AutogradMeta>> outputs;
   std::vector<Shape> input_shapes;                       // for printing
+  std::uint64_t undefined_inputs = 0;                    // bit i: input i was an undefined tensor (optional)
   std::vector<Tensor> saved;                             // what backward reads (activations)
   std::function<void(Node&)> backward;
   bool freed = false;                                    // consumed by a backward, or unreachable
