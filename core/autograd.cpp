@@ -172,16 +172,17 @@ Node& record(const char* op, const std::vector<const Tensor*>& inputs, const std
     if (!t->defined() && i < 64) n.undefined_inputs |= std::uint64_t(1) << i;
   }
   n.outputs.reserve(outputs.size());
-  for (Tensor* t : outputs) {
-    auto& m = t->ensure_meta();
-    m->requires_grad = true;
-    m->node = static_cast<std::int64_t>(tp.size());
-    m->generation = tp.generation();
-    n.outputs.push_back(m);
-  }
+  for (Tensor* t : outputs) n.outputs.push_back(t->ensure_meta());
   n.saved = std::move(saved);
   n.backward = std::move(backward);
-  return tp.push(std::move(n));
+  Node& node = tp.push(std::move(n));
+  // Stamped after the push: its sweep may have emptied the tape and started a new generation.
+  for (auto& m : node.outputs) {
+    m->requires_grad = true;
+    m->node = static_cast<std::int64_t>(tp.size()) - 1;
+    m->generation = tp.generation();
+  }
+  return node;
 }
 
 Node& record(const char* op, std::initializer_list<const Tensor*> inputs, std::initializer_list<Tensor*> outputs,

@@ -43,10 +43,10 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
   check_param(op, "bias", bias, x, C);
   check_eps(op, eps);
   Tensor y = Tensor::empty(x.shape(), x.dtype());
-  Tensor mean = Tensor::empty(Shape{rows}, x.dtype()), rstd = Tensor::empty(Shape{rows}, x.dtype());
+  Tensor mean = Tensor::empty(Shape{rows}, DType::f64), rstd = Tensor::empty(Shape{rows}, x.dtype());
   dispatch_float(op, x.dtype(), [&](auto z) {
     using T = decltype(z);
-    layer_norm_forward(x.data<T>(), opt_ptr<T>(weight), opt_ptr<T>(bias), y.data<T>(), mean.data<T>(), rstd.data<T>(),
+    layer_norm_forward(x.data<T>(), opt_ptr<T>(weight), opt_ptr<T>(bias), y.data<T>(), mean.data<double>(), rstd.data<T>(),
                        rows, C, eps);
   });
   if (should_record({&x, &weight, &bias}))
@@ -55,7 +55,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
         [rows, C](Node& n) {
           dispatch_float("layer_norm", n.grad_out().dtype(), [&](auto z) {
             using T = decltype(z);
-            layer_norm_backward(n.saved[0].data<T>(), opt_ptr<T>(n.saved[1]), n.saved[2].data<T>(), n.saved[3].data<T>(),
+            layer_norm_backward(n.saved[0].data<T>(), opt_ptr<T>(n.saved[1]), n.saved[2].data<double>(), n.saved[3].data<T>(),
                                 n.grad_out().data<T>(), opt_mut<T>(n.grad_in(0)), opt_mut<T>(n.grad_in(1)),
                                 opt_mut<T>(n.grad_in(2)), rows, C);
           });

@@ -200,3 +200,12 @@ TEST_CASE("graphs nobody can reach are swept as the tape grows") {
   CHECK(w.grad().item() == 5.0);
   tape().clear();
 }
+
+TEST_CASE("a node recorded right after a sweep that emptied the tape is still differentiable") {
+  tape().clear();
+  Tensor w = tensor({1.0}, {1}, float64).requires_grad_();
+  for (int i = 0; i < (1 << 14); ++i) (void)(w * 2.0);  // fills the tape to the first sweep
+  Tensor s = sum(w * 3.0);                              // this push sweeps everything away first
+  s.backward();
+  CHECK(w.grad().item() == 3.0);
+}
