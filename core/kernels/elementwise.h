@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <numbers>
 
+#include "kernels/fastmath.h"
 #include "kernels/parallel.h"
 
 namespace tg::kernels {
@@ -18,7 +19,7 @@ struct NegOp {
 };
 struct ExpOp {  // d/dx e^x = e^x = y
   static constexpr bool kX = false, kY = true;
-  template <class T> T f(T x) const { return std::exp(x); }
+  template <class T> T f(T x) const { return fast_exp(x); }
   template <class T> T df(T, T y) const { return y; }
 };
 struct LogOp {  // d/dx ln x = 1/x
@@ -59,8 +60,8 @@ struct TanhOp {  // 1 - tanh^2
 struct SigmoidOp {  // s (1 - s); written to avoid overflow of exp for large |x|
   static constexpr bool kX = false, kY = true;
   template <class T> T f(T x) const {
-    if (x >= 0) return T(1) / (T(1) + std::exp(-x));
-    const T e = std::exp(x);
+    if (x >= 0) return T(1) / (T(1) + fast_exp(-x));
+    const T e = fast_exp(x);
     return e / (T(1) + e);
   }
   template <class T> T df(T, T y) const { return y * (T(1) - y); }
@@ -72,10 +73,10 @@ struct ReluOp {  // 1 where x > 0, else 0 (0 at 0, as PyTorch)
 };
 struct GeluErfOp {  // x Phi(x); d/dx = Phi(x) + x phi(x), phi the standard normal density
   static constexpr bool kX = true, kY = false;
-  template <class T> T f(T x) const { return T(0.5) * x * (T(1) + std::erf(x * T(std::numbers::sqrt2 / 2))); }
+  template <class T> T f(T x) const { return T(0.5) * x * (T(1) + fast_erf(x * T(std::numbers::sqrt2 / 2))); }
   template <class T> T df(T x, T) const {
-    const T cdf = T(0.5) * (T(1) + std::erf(x * T(std::numbers::sqrt2 / 2)));
-    const T pdf = std::exp(T(-0.5) * x * x) * T(0.5 * std::numbers::inv_sqrtpi * std::numbers::sqrt2);
+    const T cdf = T(0.5) * (T(1) + fast_erf(x * T(std::numbers::sqrt2 / 2)));
+    const T pdf = fast_exp(T(-0.5) * x * x) * T(0.5 * std::numbers::inv_sqrtpi * std::numbers::sqrt2);
     return cdf + x * pdf;
   }
 };

@@ -12,8 +12,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
+#include "kernels/fastmath.h"
 #include "kernels/parallel.h"
 
 namespace tg::kernels {
@@ -288,12 +290,13 @@ void causal_softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t Tn
     const std::int64_t i = r % Tn;
     const T* xr = x + r * Tn;
     T* yr = y + r * Tn;
-    double m = -INFINITY;
-    for (std::int64_t j = 0; j <= i; ++j) m = std::fmax(m, scale * xr[j]);
+    const T sc = static_cast<T>(scale);
+    T m = -std::numeric_limits<T>::infinity();
+    for (std::int64_t j = 0; j <= i; ++j) m = std::fmax(m, sc * xr[j]);
     double s = 0;
     for (std::int64_t j = 0; j <= i; ++j) {
-      const double e = std::exp(scale * xr[j] - m);
-      yr[j] = static_cast<T>(e);
+      const T e = fast_exp(sc * xr[j] - m);
+      yr[j] = e;
       s += e;
     }
     const double inv = 1.0 / s;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/fastmath.h"
 #include "kernels/parallel.h"
 
 namespace tg::kernels {
@@ -20,7 +21,7 @@ void softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t C) {
     for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
     double s = 0;
     for (std::int64_t c = 0; c < C; ++c) {
-      yr[c] = std::exp(xr[c] - mx);
+      yr[c] = fast_exp(xr[c] - mx);
       s += yr[c];
     }
     const T inv = static_cast<T>(1.0 / s);
@@ -51,7 +52,7 @@ void log_softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t C) {
     T mx = -std::numeric_limits<T>::infinity();
     for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
     double s = 0;
-    for (std::int64_t c = 0; c < C; ++c) s += std::exp(static_cast<double>(xr[c] - mx));
+    for (std::int64_t c = 0; c < C; ++c) s += fast_exp(xr[c] - mx);
     // (x - max) - log(s), not x - (max + log(s)): x - max is exact (Sterbenz) and log(s) is
     // small, whereas rounding max + log(s) to T first loses log(s)'s low digits when |max| is
     // large (float32 logits near 1000 gave log-probabilities off by ~2e-5).
@@ -69,7 +70,7 @@ void log_softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std
     T* dr = dx + r * C;
     double s = 0;
     for (std::int64_t c = 0; c < C; ++c) s += gr[c];
-    for (std::int64_t c = 0; c < C; ++c) dr[c] += gr[c] - std::exp(yr[c]) * static_cast<T>(s);
+    for (std::int64_t c = 0; c < C; ++c) dr[c] += gr[c] - fast_exp(yr[c]) * static_cast<T>(s);
   }
 }
 
@@ -85,7 +86,7 @@ double cross_entropy_forward(const T* x, const std::int32_t* t, T* lse, std::int
     T mx = -std::numeric_limits<T>::infinity();
     for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
     double s = 0;
-    for (std::int64_t c = 0; c < C; ++c) s += std::exp(static_cast<double>(xr[c] - mx));
+    for (std::int64_t c = 0; c < C; ++c) s += fast_exp(xr[c] - mx);
     const double l = mx + std::log(s);
     lse[r] = static_cast<T>(l);
     if (t[r] != ignore_index) total += l - xr[t[r]];
@@ -101,7 +102,7 @@ void cross_entropy_backward(const T* x, const std::int32_t* t, const T* lse, T s
     if (t[r] == ignore_index) continue;
     const T* xr = x + r * C;
     T* dr = dx + r * C;
-    for (std::int64_t c = 0; c < C; ++c) dr[c] += scale * std::exp(xr[c] - lse[r]);
+    for (std::int64_t c = 0; c < C; ++c) dr[c] += scale * fast_exp(xr[c] - lse[r]);
     dr[t[r]] -= scale;
   }
 }
