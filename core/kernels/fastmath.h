@@ -15,8 +15,12 @@
 
 namespace tg::kernels {
 
+// Clamp with plain comparisons: std::fmin/fmax are libm calls unless -ffast-math, which would stop
+// the loops from vectorising. (A NaN passes through here and is handled at the end.)
+inline float clampf(float x, float lo, float hi) { return x < lo ? lo : x > hi ? hi : x; }
+
 inline float fast_exp(float x) {
-  const float xc = std::fmin(std::fmax(x, -87.33654f), 88.3762626647949f);
+  const float xc = clampf(x, -87.33654f, 88.3762626647949f);
   const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
   const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -32,7 +36,7 @@ inline float fast_exp(float x) {
 }
 
 inline float fast_erf(float x) {
-  const float xc = std::fmin(std::fmax(x, -4.0f), 4.0f);
+  const float xc = clampf(x, -4.0f, 4.0f);
   const float x2 = xc * xc;
   float p = -2.72614225801306e-10f;
   p = p * x2 + 2.77068142495902e-08f;

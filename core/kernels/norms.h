@@ -292,7 +292,7 @@ void causal_softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t Tn
     T* yr = y + r * Tn;
     const T sc = static_cast<T>(scale);
     T m = -std::numeric_limits<T>::infinity();
-    for (std::int64_t j = 0; j <= i; ++j) m = std::fmax(m, sc * xr[j]);
+    for (std::int64_t j = 0; j <= i; ++j) m = sc * xr[j] > m ? sc * xr[j] : m;
     double s = 0;
     for (std::int64_t j = 0; j <= i; ++j) {
       const T e = fast_exp(sc * xr[j] - m);
