@@ -3,6 +3,7 @@
 // (val_loss.svg), samples and checkpoints. Defaults are the "baby GPT on a CPU" configuration of
 // the PyTorch reference benchmark (../shared/bench/torch_gpt.py in the development tree).
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +13,30 @@
 #include "lm/trainer.h"
 
 namespace fs = std::filesystem;
+
+namespace {
+// Validators whose messages read as sentences ("--steps: must be >= 0, got -1").
+CLI::Validator bound(const char* what, double lo, bool lo_open, double hi = INFINITY) {
+  return CLI::Validator(
+      [=](std::string& s) -> std::string {
+        double v = 0;
+        try {
+          std::size_t used = 0;
+          v = std::stod(s, &used);
+          if (used != s.size()) throw std::invalid_argument(s);
+        } catch (const std::exception&) {
+          return "not a number: " + s;
+        }
+        if (lo_open ? !(v > lo) : !(v >= lo)) return std::string("must be ") + what + ", got " + s;
+        if (!(v <= hi)) return std::string("must be ") + what + ", got " + s;
+        return "";
+      },
+      what);
+}
+const CLI::Validator kPositive = bound("> 0", 0, true);
+const CLI::Validator kNonNegative = bound(">= 0", 0, false);
+const CLI::Validator kFraction = bound("in (0, 1]", 0, true, 1);
+}  // namespace
 
 int main(int argc, char** argv) {
   lm::TrainConfig c;
@@ -30,32 +55,32 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none"}))
       ->capture_default_str();
   app.add_option("--p", c.model.p, "pRMSNorm: fraction of features for the RMS, in (0, 1]")
-      ->check(CLI::Range(1e-9, 1.0))
+      ->check(kFraction)
       ->capture_default_str();
   app.add_flag("--compare", compare, "train every norm in turn with the same seed, data order and initial weights");
-  app.add_option("--seeds", seeds, "repeat each run over this many seeds (seed, seed+1, ...)")->check(CLI::Range(1, 1000));
+  app.add_option("--seeds", seeds, "repeat each run over this many seeds (seed, seed+1, ...)")->check(bound("at least 1", 1, false));
   app.add_option("--seed", c.seed, "random seed")->capture_default_str();
-  app.add_option("--n-layer", c.model.n_layer, "transformer blocks")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--n-head", c.model.n_head, "attention heads")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--n-embd", c.model.n_embd, "width")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--block-size", c.model.block_size, "context length")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--batch-size", c.batch_size, "sequences per step")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--dropout", c.model.dropout, "dropout probability")->check(CLI::Range(0.0, 0.999))->capture_default_str();
-  app.add_option("--lr", c.lr, "peak learning rate")->check(CLI::Range(0.0, 10.0))->capture_default_str();
-  app.add_option("--min-lr", c.min_lr, "final learning rate of the cosine decay")->check(CLI::Range(0.0, 10.0))->capture_default_str();
-  app.add_option("--warmup", c.warmup, "linear warmup steps")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--n-layer", c.model.n_layer, "transformer blocks")->check(kPositive)->capture_default_str();
+  app.add_option("--n-head", c.model.n_head, "attention heads")->check(kPositive)->capture_default_str();
+  app.add_option("--n-embd", c.model.n_embd, "width")->check(kPositive)->capture_default_str();
+  app.add_option("--block-size", c.model.block_size, "context length")->check(kPositive)->capture_default_str();
+  app.add_option("--batch-size", c.batch_size, "sequences per step")->check(kPositive)->capture_default_str();
+  app.add_option("--dropout", c.model.dropout, "dropout probability")->check(bound("in [0, 1)", 0, false, 0.999999))->capture_default_str();
+  app.add_option("--lr", c.lr, "peak learning rate")->check(kNonNegative)->capture_default_str();
+  app.add_option("--min-lr", c.min_lr, "final learning rate of the cosine decay")->check(kNonNegative)->capture_default_str();
+  app.add_option("--warmup", c.warmup, "linear warmup steps")->check(kNonNegative)->capture_default_str();
   app.add_option("--lr-decay-iters", c.lr_decay_iters, "step where the cosine reaches min-lr (default: --steps)");
-  app.add_option("--weight-decay", c.weight_decay, "AdamW weight decay on matrices")->check(CLI::Range(0.0, 10.0))->capture_default_str();
-  app.add_option("--grad-clip", c.grad_clip, "clip the global gradient norm (0: off)")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--steps", c.steps, "total training steps (also when resuming)")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--eval-interval", c.eval_interval, "steps between evaluations and checkpoints")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--eval-iters", c.eval_iters, "batches per split per evaluation")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--threads", threads, "threads (default: all cores)")->check(CLI::Range(1, 1024));
+  app.add_option("--weight-decay", c.weight_decay, "AdamW weight decay on matrices")->check(kNonNegative)->capture_default_str();
+  app.add_option("--grad-clip", c.grad_clip, "clip the global gradient norm (0: off)")->check(kNonNegative)->capture_default_str();
+  app.add_option("--steps", c.steps, "total training steps (also when resuming)")->check(kNonNegative)->capture_default_str();
+  app.add_option("--eval-interval", c.eval_interval, "steps between evaluations and checkpoints")->check(kPositive)->capture_default_str();
+  app.add_option("--eval-iters", c.eval_iters, "batches per split per evaluation")->check(kNonNegative)->capture_default_str();
+  app.add_option("--threads", threads, "threads (default: all cores)")->check(bound("at least 1", 1, false));
   app.add_option("--out", c.out, "output directory (metrics, summary, chart, samples, checkpoints)");
   app.add_option("--resume", resume, "continue the run whose checkpoint is in DIR (written by an earlier --out DIR)");
-  app.add_option("--sample", c.sample, "characters to generate after training")->check(CLI::NonNegativeNumber);
-  app.add_option("--temperature", c.temperature, "sampling temperature")->check(CLI::Range(1e-3, 100.0))->capture_default_str();
-  app.add_option("--top-k", c.top_k, "sample among the k most likely characters (0: all)")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--sample", c.sample, "characters to generate after training")->check(kNonNegative);
+  app.add_option("--temperature", c.temperature, "sampling temperature")->check(kPositive)->capture_default_str();
+  app.add_option("--top-k", c.top_k, "sample among the k most likely characters (0: all)")->check(kNonNegative)->capture_default_str();
   bool quiet = false, trace = false;
   app.add_flag("--quiet", quiet, "no progress output");
   app.add_flag("--trace", trace, "print the tape of one training step (ops, shapes, bytes saved) and exit; "
@@ -64,9 +89,16 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
     if (!resume.empty() && (compare || seeds > 1)) throw CLI::ValidationError("--resume", "continues one run; not with --compare or --seeds");
+    // The model's own constraints, before anything is printed or read.
+    tg::nn::GPTConfig check = c.model;
+    check.vocab_size = 1;
+    check.validate();
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
+    std::cerr << "train_lm: error: " << e.what() << "\n";
+    return 2;
+  } catch (const tg::Error& e) {
     std::cerr << "train_lm: error: " << e.what() << "\n";
     return 2;
   }
