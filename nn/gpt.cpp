@@ -40,15 +40,18 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   if (!x.defined() || x.dim() != 3 || x.size(2) != n_embd)
     fail("CausalSelfAttention", "expects input (B, T, ", n_embd, "), got ", x.defined() ? x.shape().str() : "undefined");
   const std::int64_t B = x.size(0), T = x.size(1), C = n_embd, H = n_head, hs = C / H;
-  // (B, T, 3C) -> (B, T, 3, H, hs) -> (3, B, H, T, hs): q, k, v for every head, each contiguous.
-  Tensor qkv_h = permute(qkv->forward(x).reshape({B, T, 3, H, hs}), {2, 0, 3, 1, 4});
-  std::vector<Tensor> parts = split(qkv_h, 1, 0);
-  Tensor q = parts[0].reshape({B, H, T, hs}), k = parts[1].reshape({B, H, T, hs}), v = parts[2].reshape({B, H, T, hs});
-  // att = softmax(q k^T / sqrt(hs)) over keys j <= i: (B, H, T, T)
-  Tensor att = scaled_causal_softmax(matmul(q, k, false, true), 1.0 / std::sqrt(static_cast<double>(hs)));
-  att = attn_drop->forward(att);
-  Tensor y = matmul(att, v);                              // (B, H, T, hs)
-  y = permute(y, {0, 2, 1, 3}).reshape({B, T, C});         // heads side by side again
+  Tensor packed = qkv->forward(x);  // (B, T, 3C): q, k, v side by side
+  Tensor y;
+  if (attn_drop->p == 0 || !attn_drop->is_training()) {
+    y = causal_attention(packed, H);  // fused: no copies, one node
+  } else {
+    // With attention dropout, the textbook path: (B, T, 3, H, hs) -> (3, B, H, T, hs), then
+    // softmax(q k^T / sqrt(hs)) over keys j <= i, dropout, weighted sum of v, heads merged.
+    std::vector<Tensor> parts = split(permute(packed.reshape({B, T, 3, H, hs}), {2, 0, 3, 1, 4}), 1, 0);
+    Tensor q = parts[0].reshape({B, H, T, hs}), k = parts[1].reshape({B, H, T, hs}), v = parts[2].reshape({B, H, T, hs});
+    Tensor att = scaled_causal_softmax(matmul(q, k, false, true), 1.0 / std::sqrt(static_cast<double>(hs)));
+    y = permute(matmul(attn_drop->forward(att), v), {0, 2, 1, 3}).reshape({B, T, C});
+  }
   return resid_drop->forward(proj->forward(y));
 }
 

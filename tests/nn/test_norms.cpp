@@ -186,3 +186,23 @@ TEST_CASE("norm argument errors name the op and the shapes") {
   REQUIRE_TG_ERROR(weight_norm(zeros({3, 2}), zeros({2})), "weight_norm", "(3,)");
   REQUIRE_TG_ERROR(scaled_causal_softmax(zeros({2, 3}), 1.0), "scaled_causal_softmax", "(2, 3)");
 }
+
+TEST_CASE("fused causal attention equals the composite (split, permute, matmul, masked softmax)") {
+  for (auto [B, T, C, H] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>{2, 5, 6, 2},
+                            {1, 1, 4, 1}, {3, 7, 12, 3}, {2, 16, 32, 4}}) {
+    INFO("B " << B << " T " << T << " C " << C << " H " << H);
+    Tensor a = param64({B, T, 3 * C}, static_cast<std::uint64_t>(B * 100 + T)), b = a.detach().clone().requires_grad_();
+    Tensor y1 = causal_attention(a, H), y2 = composite::causal_attention(b, H);
+    CHECK(max_abs_diff(y1, y2) < 1e-12);
+    Tensor dy = param64({B, T, C}, 9).detach();
+    y1.backward(dy);
+    y2.backward(dy);
+    CHECK(max_abs_diff(a.grad(), b.grad()) < 1e-12);
+  }
+  require_gradcheck([](auto& in) { return causal_attention(in[0], 2); }, {param64({2, 4, 12}, 3)});
+  // float32 agrees with float64 to float precision
+  Tensor x = param64({2, 8, 24}, 4).detach();
+  CHECK(max_abs_diff(causal_attention(x.to(float32), 4).to(float64), causal_attention(x, 4)) < 1e-5);
+  REQUIRE_TG_ERROR(causal_attention(zeros({2, 3, 10}), 2), "causal_attention", "(2, 3, 10)");
+  REQUIRE_TG_ERROR(causal_attention(zeros({2, 3, 12}), 3), "causal_attention", "n_head 3");
+}

@@ -104,6 +104,11 @@ Tensor weight_norm(const Tensor& v, const Tensor& g);
 // scale, masked_fill(causal_mask(T), -inf) and softmax in one op.
 Tensor scaled_causal_softmax(const Tensor& x, double scale);
 
+// Multi-head causal self-attention, fused: qkv (B, T, 3C) packs q, k, v (head h = columns
+// [h C/H, (h+1) C/H) of each); returns softmax(q k^T / sqrt(C/H), causal) v per head, heads side
+// by side: (B, T, C). Reads and writes the packed layout in place (no split, permute or merge).
+Tensor causal_attention(const Tensor& qkv, std::int64_t n_head);
+
 namespace composite {
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
 Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5, double p = 1.0);
@@ -113,6 +118,8 @@ Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& run
                   const Tensor& bias, bool training, double eps = 1e-5, bool channels_last = false);
 Tensor weight_norm(const Tensor& v, const Tensor& g);
 Tensor scaled_causal_softmax(const Tensor& x, double scale);
+// split, permute, two batched matmuls and a masked softmax: the textbook version
+Tensor causal_attention(const Tensor& qkv, std::int64_t n_head);
 }  // namespace composite
 
 // ---- shape ops (all copy except reshape/view; all differentiable) ----

@@ -1,0 +1,75 @@
+#pragma once
+// Fused multi-head causal self-attention over a packed qkv activation, without copies.
+//
+// qkv (B, T, 3C) holds q, k, v side by side; head h of q is the column block [h hs, (h+1) hs) of
+// the first C columns, k and v the same blocks of the next two. BLAS reads those blocks in place
+// through the leading dimension 3C, and writes y (B, T, C) through leading dimension C, so the
+// split, permute and merge of the composite version cost nothing. Per (batch, head):
+//   S = q k^T * scale (T, T);  P = causal softmax(S) (saved);  y = P v.
+// Backward, with dY the head's block of dy:
+//   dP = dY v^T;  dv += P^T dY;  dS = scale * P * (dP - rowsum(dP * P));  dq += dS k;  dk += dS^T q.
+// (batch, head) pairs write disjoint blocks, so they run in parallel; each gemm then runs on one
+// thread (OpenBLAS's OpenMP build does not nest), which suits these small products.
+#include <cstdint>
+#include <vector>
+
+#include "kernels/gemm.h"
+#include "kernels/norms.h"
+#include "kernels/parallel.h"
+
+namespace tg::kernels {
+
+template <class T>
+void attention_forward(const T* qkv, T* y, T* P, std::int64_t B, std::int64_t Tn, std::int64_t C, std::int64_t H,
+                       double scale) {
+  const std::int64_t hs = C / H, ld = 3 * C;
+  TG_PRAGMA(omp parallel for schedule(static) if (B * H > 1 && B * H * Tn * Tn * hs >= kParallelMin))
+  for (std::int64_t bh = 0; bh < B * H; ++bh) {
+    const std::int64_t b = bh / H, h = bh % H;
+    const T* q = qkv + b * Tn * ld + h * hs;
+    const T* k = q + C;
+    const T* v = q + 2 * C;
+    T* p = P + bh * Tn * Tn;
+    gemm<T>(false, true, Tn, Tn, hs, T(1), q, ld, k, ld, T(0), p, Tn);  // S = q k^T
+    causal_softmax_forward(p, p, Tn, Tn, scale);                       // in place, row i sees j <= i
+    gemm<T>(false, false, Tn, hs, Tn, T(1), p, Tn, v, ld, T(0), y + b * Tn * C + h * hs, C);
+  }
+}
+
+template <class T>
+void attention_backward(const T* qkv, const T* P, const T* dy, T* dqkv, std::int64_t B, std::int64_t Tn,
+                        std::int64_t C, std::int64_t H, double scale) {
+  const std::int64_t hs = C / H, ld = 3 * C;
+  TG_PRAGMA(omp parallel if (B * H > 1 && B * H * Tn * Tn * hs >= kParallelMin))
+  {
+    std::vector<T> dS(static_cast<std::size_t>(Tn * Tn));
+    TG_PRAGMA(omp for schedule(static))
+    for (std::int64_t bh = 0; bh < B * H; ++bh) {
+      const std::int64_t b = bh / H, h = bh % H;
+      const T* q = qkv + b * Tn * ld + h * hs;
+      const T* k = q + C;
+      const T* v = q + 2 * C;
+      T* dq = dqkv + b * Tn * ld + h * hs;
+      T* dk = dq + C;
+      T* dv = dq + 2 * C;
+      const T* p = P + bh * Tn * Tn;
+      const T* g = dy + b * Tn * C + h * hs;
+      T* ds = dS.data();
+      gemm<T>(false, true, Tn, Tn, hs, T(1), g, C, v, ld, T(0), ds, Tn);   // dP = dY v^T
+      gemm<T>(true, false, Tn, hs, Tn, T(1), p, Tn, g, C, T(1), dv, ld);   // dv += P^T dY
+      // dS = scale * P * (dP - rowsum(dP * P)), in place over dP (zero where masked: P is 0 there)
+      for (std::int64_t i = 0; i < Tn; ++i) {
+        T* r = ds + i * Tn;
+        const T* pr = p + i * Tn;
+        double dot = 0;
+        for (std::int64_t j = 0; j <= i; ++j) dot += static_cast<double>(r[j]) * pr[j];
+        for (std::int64_t j = 0; j <= i; ++j) r[j] = static_cast<T>(scale * pr[j] * (r[j] - dot));
+        for (std::int64_t j = i + 1; j < Tn; ++j) r[j] = T(0);
+      }
+      gemm<T>(false, false, Tn, hs, Tn, T(1), ds, Tn, k, ld, T(1), dq, ld);  // dq += dS k
+      gemm<T>(true, false, Tn, hs, Tn, T(1), ds, Tn, q, ld, T(1), dk, ld);   // dk += dS^T q
+    }
+  }
+}
+
+}  // namespace tg::kernels

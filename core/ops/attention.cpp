@@ -1,0 +1,49 @@
+// causal_attention: the fused op over core/kernels/attention.h.
+#include <cmath>
+
+#include "dispatch.h"
+#include "kernels/attention.h"
+#include "tapegrad/autograd.h"
+#include "tapegrad/ops.h"
+
+namespace tg {
+
+Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
+  const char* op = "causal_attention";
+  detail::check_float(op, qkv);
+  if (qkv.dim() != 3 || qkv.size(2) % 3 != 0) fail(op, "expects packed qkv (B, T, 3C), got ", qkv.shape());
+  const std::int64_t B = qkv.size(0), Tn = qkv.size(1), C = qkv.size(2) / 3;
+  if (H <= 0 || C % H != 0) fail(op, "width ", C, " of ", qkv.shape(), " is not a positive multiple of n_head ", H);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(C / H));
+  Tensor y = Tensor::empty({B, Tn, C}, qkv.dtype());
+  Tensor P = Tensor::empty({B, H, Tn, Tn}, qkv.dtype());
+  if (y.numel() == 0) return y;
+  detail::dispatch_float(op, qkv.dtype(), [&](auto z) {
+    using T = decltype(z);
+    kernels::attention_forward(qkv.data<T>(), y.data<T>(), P.data<T>(), B, Tn, C, H, scale);
+  });
+  if (should_record({&qkv}))
+    record(
+        op, {&qkv}, {&y},
+        [B, Tn, C, H, scale](Node& n) {
+          detail::dispatch_float("causal_attention", n.grad_out().dtype(), [&](auto z) {
+            using T = decltype(z);
+            kernels::attention_backward(n.saved[0].data<T>(), n.saved[1].data<T>(), n.grad_out().data<T>(),
+                                        n.grad_in(0).data<T>(), B, Tn, C, H, scale);
+          });
+        },
+        {qkv.detach(), P});
+  return y;
+}
+
+namespace composite {
+Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
+  const std::int64_t B = qkv.size(0), Tn = qkv.size(1), C = qkv.size(2) / 3, hs = C / H;
+  std::vector<Tensor> parts = split(permute(qkv.reshape({B, Tn, 3, H, hs}), {2, 0, 3, 1, 4}), 1, 0);
+  Tensor q = parts[0].reshape({B, H, Tn, hs}), k = parts[1].reshape({B, H, Tn, hs}), v = parts[2].reshape({B, H, Tn, hs});
+  Tensor att = tg::scaled_causal_softmax(matmul(q, k, false, true), 1.0 / std::sqrt(static_cast<double>(hs)));
+  return permute(matmul(att, v), {0, 2, 1, 3}).reshape({B, Tn, C});
+}
+}  // namespace composite
+
+}  // namespace tg
