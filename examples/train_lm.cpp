@@ -50,6 +50,8 @@ int main(int argc, char** argv) {
 
   CLI::App app{"Train a character-level GPT and compare normalisation layers (LayerNorm, RMSNorm, pRMSNorm, "
                "BatchNorm, none)."};
+  // A repeated option takes its last value, so wrappers (scripts/demo) can be overridden.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--data", c.data, "UTF-8 text corpus (default: $TAPEGRAD_DATA or data/tinyshakespeare.txt)");
   app.add_option("--norm", norm, "layernorm|rmsnorm|prmsnorm|batchnorm|none")
       ->check(CLI::IsMember({"layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none"}))

@@ -1,0 +1,304 @@
+// bench_kernels: kernel-level timings with Google Benchmark, float32, comparable with the PyTorch
+// reference ../shared/bench/torch_kernels.py.
+//
+//   norm/<kind>/<rows>x<C>       forward + backward of tg::rms_norm (weight), prms_norm (p = 0.0625,
+//                                weight), tg::layer_norm and tg::batch_norm (channels-last, training;
+//                                weight and bias) through the public ops: y = norm(x); y.backward(dy);
+//                                grads cleared. bytes_per_second counts the minimum traffic of
+//                                torch_kernels.py: 5 * rows * C * 4 bytes (forward reads x, writes y;
+//                                backward reads x and dy, writes dx).
+//   copy/memcpy/<rows>x<C>       one std::memcpy of rows * C floats, counted as 2 * rows * C * 4 bytes
+//                                (read + write): the bandwidth yardstick for the norms.
+//   copy/memcpy_omp/<rows>x<C>   the same bytes copied by the benchmark's threads, each std::memcpy-ing
+//                                one contiguous chunk (the yardstick when the norms run on several threads).
+//   matmul/<name>/<shape>/<impl> the GPT's products: tg = tg::matmul under tg::NoGradGuard (x W^T as
+//                                Linear calls it), kernels = tg::kernels::gemm, cblas = cblas_sgemm
+//                                called directly (one call per matrix for the batched case). FLOPS is
+//                                2 * M * N * K * batch per second.
+//   tape/chain/<n>               a chain of n small recorded ops (x = x * 1.0001 + 0.0001 on 4 elements,
+//                                2 ops per step, then sum + backward), as torch_kernels.py's tape_case;
+//                                ns_per_op = wall time of forward + backward / n.
+//
+// Run (Release build; scripts/bench does all of this):
+//   build/release/bench/bench_kernels                          # console table
+//   build/release/bench/bench_kernels --threads=2 --benchmark_filter='norm|copy'
+//   build/release/bench/bench_kernels --benchmark_format=json > kernels.json
+//   build/release/bench/bench_kernels --benchmark_min_time=0.1 --benchmark_repetitions=3
+// Threads: --threads=N, else $TAPEGRAD_THREADS, else all cores (tg::set_num_threads).
+// Unless given on the command line, --benchmark_repetitions=5 and --benchmark_report_aggregates_only=true
+// are added: every case runs 5 times and mean / median / stddev / cv over those are reported (read
+// the median on a busy machine). Times are wall-clock (UseRealTime): the kernels run on OpenMP threads.
+#include <benchmark/benchmark.h>
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "kernels/gemm.h"
+#include "tapegrad/autograd.h"
+#include "tapegrad/ops.h"
+#include "tapegrad/random.h"
+#include "tapegrad/tensor.h"
+#include "tapegrad/threads.h"
+
+namespace {
+
+using i64 = std::int64_t;
+
+// ---------------------------------------------------------------- norms
+
+enum class Norm { rms, prms, layer, batch };
+
+const char* norm_name(Norm k) {
+  switch (k) {
+    case Norm::rms: return "rmsnorm";
+    case Norm::prms: return "prmsnorm";
+    case Norm::layer: return "layernorm";
+    case Norm::batch: return "batchnorm";
+  }
+  return "?";
+}
+
+void bm_norm(benchmark::State& state, Norm kind, i64 rows, i64 C) {
+  tg::manual_seed(1234);
+  tg::Tensor x = tg::randn({rows, C});
+  x.requires_grad_();
+  tg::Tensor w = tg::ones({C});
+  w.requires_grad_();
+  // RMSNorm carries a gain only (as the reference's RMSNorm); LayerNorm and BatchNorm a bias too.
+  const bool has_bias = kind == Norm::layer || kind == Norm::batch;
+  tg::Tensor b;
+  if (has_bias) {
+    b = tg::zeros({C});
+    b.requires_grad_();
+  }
+  const tg::Tensor dy = tg::randn({rows, C});
+  auto forward = [&]() -> tg::Tensor {
+    switch (kind) {
+      case Norm::rms: return tg::rms_norm(x, w, tg::Tensor(), 1e-5, 1.0);
+      case Norm::prms: return tg::rms_norm(x, w, tg::Tensor(), 1e-5, 0.0625);
+      case Norm::layer: return tg::layer_norm(x, w, b, 1e-5);
+      case Norm::batch:
+        return tg::batch_norm(x, tg::Tensor(), tg::Tensor(), w, b, /*training=*/true, 0.1, 1e-5,
+                              /*channels_last=*/true);
+    }
+    return {};
+  };
+  for (auto _ : state) {
+    {
+      tg::Tensor y = forward();
+      y.backward(dy);
+    }
+    benchmark::DoNotOptimize(x.grad().raw_data());
+    x.zero_grad();
+    w.zero_grad();
+    if (has_bias) b.zero_grad();
+  }
+  state.SetBytesProcessed(state.iterations() * 5 * rows * C * static_cast<i64>(sizeof(float)));
+}
+
+void bm_memcpy(benchmark::State& state, i64 rows, i64 C, bool parallel) {
+  const std::size_t n = static_cast<std::size_t>(rows * C);
+  std::vector<float> src(n, 1.0f), dst(n, 0.0f);  // both touched: no page faults inside the loop
+  const int nt = parallel ? tg::get_num_threads() : 1;
+  for (auto _ : state) {
+    if (parallel) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+      for (int t = 0; t < nt; ++t) {
+        const std::size_t lo = n * static_cast<std::size_t>(t) / static_cast<std::size_t>(nt);
+        const std::size_t hi = n * static_cast<std::size_t>(t + 1) / static_cast<std::size_t>(nt);
+        std::memcpy(dst.data() + lo, src.data() + lo, (hi - lo) * sizeof(float));
+      }
+    } else {
+      std::memcpy(dst.data(), src.data(), n * sizeof(float));
+    }
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * 2 * rows * C * static_cast<i64>(sizeof(float)));
+}
+
+// ---------------------------------------------------------------- matmul
+
+// C (batch, M, N) = A (batch, M, K) @ B (batch, N, K)^T when trans_b (B stored (N, K), Linear's
+// weight layout), or A @ B with B (batch, K, N). batch = 0 means plain 2-D operands.
+struct MatmulCase {
+  const char* name;
+  i64 batch, M, N, K;
+  bool trans_b;
+};
+
+enum class Impl { tg, kernels, cblas };
+
+void set_flops(benchmark::State& state, const MatmulCase& c) {
+  const double flops = 2.0 * static_cast<double>(c.M * c.N * c.K) * static_cast<double>(c.batch > 0 ? c.batch : 1);
+  state.counters["FLOPS"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void bm_matmul(benchmark::State& state, MatmulCase c, Impl impl) {
+  tg::manual_seed(4321);
+  const i64 nb = c.batch > 0 ? c.batch : 1;
+  tg::Shape sa = c.batch > 0 ? tg::Shape{c.batch, c.M, c.K} : tg::Shape{c.M, c.K};
+  tg::Shape sb = c.trans_b ? (c.batch > 0 ? tg::Shape{c.batch, c.N, c.K} : tg::Shape{c.N, c.K})
+                           : (c.batch > 0 ? tg::Shape{c.batch, c.K, c.N} : tg::Shape{c.K, c.N});
+  const tg::Tensor a = tg::randn(sa), b = tg::randn(sb);
+  const float* A = a.data<float>();
+  const float* B = b.data<float>();
+  const i64 ldb = c.trans_b ? c.K : c.N;
+  std::vector<float> out(static_cast<std::size_t>(nb * c.M * c.N));
+  switch (impl) {
+    case Impl::tg: {
+      tg::NoGradGuard no_grad;
+      for (auto _ : state) {
+        tg::Tensor y = tg::matmul(a, b, false, c.trans_b);
+        benchmark::DoNotOptimize(y.raw_data());
+      }
+      break;
+    }
+    case Impl::kernels:
+      for (auto _ : state) {
+        for (i64 i = 0; i < nb; ++i)
+          tg::kernels::gemm<float>(false, c.trans_b, c.M, c.N, c.K, 1.0f, A + i * c.M * c.K, c.K, B + i * c.N * c.K,
+                                   ldb, 0.0f, out.data() + i * c.M * c.N, c.N);
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+      }
+      break;
+    case Impl::cblas:
+      for (auto _ : state) {
+        for (i64 i = 0; i < nb; ++i)
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, c.trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(c.M),
+                      static_cast<blasint>(c.N), static_cast<blasint>(c.K), 1.0f, A + i * c.M * c.K,
+                      static_cast<blasint>(c.K), B + i * c.N * c.K, static_cast<blasint>(ldb), 0.0f,
+                      out.data() + i * c.M * c.N, static_cast<blasint>(c.N));
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+      }
+      break;
+  }
+  set_flops(state, c);
+}
+
+// ---------------------------------------------------------------- tape
+
+void bm_tape(benchmark::State& state, i64 n_ops) {
+  double total_ns = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    {
+      tg::Tensor x = tg::ones({4});
+      x.requires_grad_();
+      tg::Tensor y = x;
+      for (i64 i = 0; i < n_ops / 2; ++i) y = y * 1.0001 + 0.0001;
+      y.sum().backward();
+      benchmark::DoNotOptimize(x.grad().raw_data());
+    }
+    total_ns += std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+  }
+  state.counters["ns_per_op"] = total_ns / (static_cast<double>(state.iterations()) * static_cast<double>(n_ops));
+  state.counters["ops"] = static_cast<double>(n_ops);
+}
+
+// ---------------------------------------------------------------- main
+
+std::string shape_str(i64 r, i64 c) { return std::to_string(r) + "x" + std::to_string(c); }
+
+bool has_flag(int argc, char** argv, std::string_view prefix) {
+  for (int i = 1; i < argc; ++i)
+    if (std::string_view(argv[i]).substr(0, prefix.size()) == prefix) return true;
+  return false;
+}
+
+int parse_threads(const char* s) {
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  if (end == s || *end != '\0' || v < 1 || v > 1024) {
+    std::fprintf(stderr, "bench_kernels: bad thread count '%s' (want 1..1024)\n", s);
+    std::exit(2);
+  }
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Our own flag first (--threads=N or --threads N), removed before Google Benchmark sees argv.
+  int threads = 0;
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    const std::string_view a(argv[i]);
+    if (i > 0 && a.substr(0, 10) == "--threads=") {
+      threads = parse_threads(argv[i] + 10);
+    } else if (i > 0 && a == "--threads" && i + 1 < argc) {
+      threads = parse_threads(argv[++i]);
+    } else {
+      args.push_back(argv[i]);
+    }
+  }
+  if (threads == 0) {
+    if (const char* e = std::getenv("TAPEGRAD_THREADS"); e && *e) threads = parse_threads(e);
+  }
+  if (threads == 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  tg::set_num_threads(threads);
+
+  // Defaults that the command line may override: 5 repetitions, aggregates only.
+  static char reps[] = "--benchmark_repetitions=5";
+  static char aggr[] = "--benchmark_report_aggregates_only=true";
+  if (!has_flag(argc, argv, "--benchmark_repetitions")) args.insert(args.begin() + 1, reps);
+  if (!has_flag(argc, argv, "--benchmark_report_aggregates_only") &&
+      !has_flag(argc, argv, "--benchmark_display_aggregates_only"))
+    args.insert(args.begin() + 1, aggr);
+  int n = static_cast<int>(args.size());
+  args.push_back(nullptr);
+
+  benchmark::AddCustomContext("tapegrad_threads", std::to_string(tg::get_num_threads()));
+
+  const std::pair<i64, i64> norm_shapes[] = {{768, 128}, {8192, 768}, {4096, 4096}};
+  for (auto [rows, C] : norm_shapes) {
+    const std::string s = shape_str(rows, C);
+    benchmark::RegisterBenchmark(("copy/memcpy/" + s).c_str(), bm_memcpy, rows, C, false)
+        ->UseRealTime()->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark(("copy/memcpy_omp/" + s).c_str(), bm_memcpy, rows, C, true)
+        ->UseRealTime()->Unit(benchmark::kMicrosecond);
+    for (Norm k : {Norm::rms, Norm::prms, Norm::layer, Norm::batch})
+      benchmark::RegisterBenchmark(("norm/" + std::string(norm_name(k)) + "/" + s).c_str(), bm_norm, k, rows, C)
+          ->UseRealTime()->Unit(benchmark::kMicrosecond);
+  }
+
+  // The GPT of bench_train (n_embd 128, n_head 4, block 64, batch 12, vocab 65): B*T = 768 rows.
+  const MatmulCase mm[] = {
+      {"qkv", 0, 768, 384, 128, true},      // x (768,128) W^T, W (384,128)
+      {"proj", 0, 768, 128, 128, true},     // (768,128) W^T, W (128,128)
+      {"fc", 0, 768, 512, 128, true},       // (768,128) W^T, W (512,128)
+      {"fc_out", 0, 768, 128, 512, true},   // (768,512) W^T, W (128,512)
+      {"head", 0, 768, 65, 128, true},      // (768,128) E^T, E (65,128) tied embedding
+      {"att_qk", 48, 64, 64, 32, true},     // q (48,64,32) @ k (48,64,32)^T
+      {"att_v", 48, 64, 32, 64, false},     // att (48,64,64) @ v (48,64,32)
+  };
+  for (const MatmulCase& c : mm) {
+    std::string s = (c.batch > 0 ? std::to_string(c.batch) + "x" : "") + shape_str(c.M, c.K) + "@" +
+                    (c.batch > 0 ? std::to_string(c.batch) + "x" : "") +
+                    (c.trans_b ? shape_str(c.N, c.K) + "T" : shape_str(c.K, c.N));
+    const std::pair<Impl, const char*> impls[] = {{Impl::tg, "tg"}, {Impl::kernels, "kernels"}, {Impl::cblas, "cblas"}};
+    for (auto [impl, iname] : impls)
+      benchmark::RegisterBenchmark(("matmul/" + std::string(c.name) + "/" + s + "/" + iname).c_str(), bm_matmul, c, impl)
+          ->UseRealTime()->Unit(benchmark::kMicrosecond);
+  }
+
+  benchmark::RegisterBenchmark("tape/chain/100000", bm_tape, i64{100000})->UseRealTime()->Unit(benchmark::kMillisecond);
+
+  benchmark::Initialize(&n, args.data());
+  if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
