@@ -2,6 +2,8 @@
 // Shared test helpers.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <sstream>
+#include <vector>
 #include <string>
 #include <tapegrad/tapegrad.h>
 
@@ -33,6 +35,36 @@ inline double max_abs_diff(const tg::Tensor& a, const tg::Tensor& b) {
   double m = 0;
   for (std::size_t i = 0; i < va.size(); ++i) m = std::max(m, std::fabs(va[i] - vb[i]));
   return m;
+}
+
+inline constexpr tg::DType kFloatTypes[] = {tg::DType::f32, tg::DType::f64};
+
+// Every element of y within atol + rtol |expected| (float32 tolerances given, float64 1e-12);
+// NaN and inf must match exactly. The first mismatches are printed on failure.
+inline void check_close(const tg::Tensor& y, const std::vector<double>& expected, double rtol32 = 1e-5,
+                        double atol32 = 1e-6) {
+  REQUIRE(y.numel() == static_cast<std::int64_t>(expected.size()));
+  const bool f32 = y.dtype() == tg::DType::f32;
+  const double rtol = f32 ? rtol32 : 1e-12, atol = f32 ? atol32 : 1e-12;
+  const std::vector<double> v = y.to_vector<double>();
+  std::size_t bad = 0;
+  std::ostringstream first;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const double e = expected[i];
+    const bool ok = std::isnan(e) ? std::isnan(v[i])
+                    : std::isinf(e) ? v[i] == e
+                                    : std::fabs(v[i] - e) <= atol + rtol * std::fabs(e);
+    if (!ok && bad++ < 5) first << "  element " << i << ": got " << v[i] << ", expected " << e << '\n';
+  }
+  INFO(y.dtype() << " " << y.shape() << ", " << bad << " of " << v.size() << " elements off:\n" << first.str());
+  CHECK(bad == 0);
+}
+
+// A float64 leaf requiring grad with the given values.
+inline tg::Tensor leaf64(const std::vector<double>& values, const tg::Shape& shape) {
+  tg::Tensor t = tg::tensor(values, shape, tg::float64);
+  t.requires_grad_();
+  return t;
 }
 
 // The call throws tg::Error whose message contains every given fragment.

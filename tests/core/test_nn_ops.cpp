@@ -11,32 +11,7 @@ using namespace tgtest;
 
 namespace {
 
-constexpr DType kFloatTypes[] = {DType::f32, DType::f64};
 const double kInf = std::numeric_limits<double>::infinity();
-
-void check_close(const Tensor& y, const std::vector<double>& expected, double rtol32 = 1e-5, double atol32 = 1e-6) {
-  REQUIRE(y.numel() == static_cast<std::int64_t>(expected.size()));
-  const bool f32 = y.dtype() == DType::f32;
-  const double rtol = f32 ? rtol32 : 1e-12, atol = f32 ? atol32 : 1e-12;
-  const std::vector<double> v = y.to_vector<double>();
-  std::size_t bad = 0;
-  std::ostringstream first;  // the first few mismatches, for the failure message
-  for (std::size_t i = 0; i < v.size(); ++i) {
-    const double e = expected[i];
-    const bool ok = std::isnan(e) ? std::isnan(v[i])
-                    : std::isinf(e) ? v[i] == e
-                                    : std::fabs(v[i] - e) <= atol + rtol * std::fabs(e);
-    if (!ok && bad++ < 5) first << "  element " << i << ": got " << v[i] << ", expected " << e << '\n';
-  }
-  INFO(y.dtype() << " " << y.shape() << ", " << bad << " of " << v.size() << " elements off:\n" << first.str());
-  CHECK(bad == 0);
-}
-
-Tensor leaf64(const std::vector<double>& values, const Shape& shape) {
-  Tensor t = tensor(values, shape, float64);
-  t.requires_grad_();
-  return t;
-}
 
 Tensor ids(const std::vector<std::int32_t>& v, const Shape& shape) { return from_vector<std::int32_t>(v, shape); }
 

@@ -9,7 +9,6 @@ using namespace tgtest;
 
 namespace {
 
-constexpr DType kFloatTypes[] = {DType::f32, DType::f64};
 constexpr DType kAllTypes[] = {DType::f32, DType::f64, DType::i32};
 
 // Exact comparison: shape ops only move values.
@@ -22,12 +21,6 @@ std::vector<double> iota(std::int64_t n, double start = 0) {
   std::vector<double> v(static_cast<std::size_t>(n));
   for (std::int64_t i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = start + static_cast<double>(i);
   return v;
-}
-
-Tensor leaf64(const std::vector<double>& values, const Shape& shape) {
-  Tensor t = tensor(values, shape, float64);
-  t.requires_grad_();
-  return t;
 }
 
 }  // namespace
