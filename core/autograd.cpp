@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "dispatch.h"
+#include "kernels/parallel.h"
 #include "tapegrad/ops.h"
 
 namespace tg {
@@ -236,7 +237,9 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
       using T = decltype(z);
       T* gp = g.data<T>();
       const T* sp = seed.data<T>();
-      for (std::int64_t i = 0; i < g.numel(); ++i) gp[i] += sp[i];
+      const std::int64_t n = g.numel();
+      TG_PARALLEL_FOR(n)
+      for (std::int64_t i = 0; i < n; ++i) gp[i] += sp[i];
     });
   }
   // Pass 2: the reverse walk over the marked nodes.

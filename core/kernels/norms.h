@@ -5,6 +5,8 @@
 //
 // Statistics accumulate in double whatever T is, variances are two-pass (mean first, then squared
 // deviations), and per-row statistics are saved for the backward so it never recomputes them.
+// The per-row sums are OpenMP simd reductions: that licenses the compiler to keep several partial
+// sums in vector lanes (a fixed order, so results stay deterministic).
 // Parameter gradients (dg, db) are sums over rows: each thread accumulates its rows into its own
 // double buffer and the buffers are added in thread order, so results are deterministic for a
 // given thread count.
@@ -63,9 +65,11 @@ void layer_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, 
     const T* xr = x + r * C;
     T* yr = y + r * C;
     double mu = 0;
+    TG_PRAGMA(omp simd reduction(+ : mu))
     for (std::int64_t j = 0; j < C; ++j) mu += xr[j];
     mu /= static_cast<double>(C);
     double var = 0;
+    TG_PRAGMA(omp simd reduction(+ : var))
     for (std::int64_t j = 0; j < C; ++j) {
       const double d = xr[j] - mu;
       var += d * d;
@@ -92,6 +96,7 @@ void layer_norm_backward(const T* x, const T* g, const double* mean, const T* rs
     const T* gr = dy + r * C;
     const double mu = mean[r], rs = rstd[r];
     double m1 = 0, m2 = 0;
+    TG_PRAGMA(omp simd reduction(+ : m1, m2))
     for (std::int64_t j = 0; j < C; ++j) {
       const double xh = (xr[j] - mu) * rs;
       const double dxh = g ? static_cast<double>(gr[j]) * g[j] : gr[j];
@@ -124,6 +129,7 @@ void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::in
     const T* xr = x + r * C;
     T* yr = y + r * C;
     double ms = 0;
+    TG_PRAGMA(omp simd reduction(+ : ms))
     for (std::int64_t j = 0; j < k; ++j) ms += static_cast<double>(xr[j]) * xr[j];
     ms /= static_cast<double>(k);
     const double rr = 1.0 / std::sqrt(ms + eps);
@@ -148,6 +154,7 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
     const T* gr = dy + r * C;
     const double rr = rrms[r];
     double s = 0;
+    TG_PRAGMA(omp simd reduction(+ : s))
     for (std::int64_t j = 0; j < C; ++j) {
       const double gdy = g ? static_cast<double>(gr[j]) * g[j] : gr[j];
       s += gdy * xr[j];
