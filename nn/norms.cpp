@@ -51,7 +51,7 @@ Tensor RMSNorm::forward(const Tensor& x) {
 std::string RMSNorm::extra_repr() const {
   std::ostringstream s;
   s << '(' << n << ",), eps=" << eps;
-  if (p < 1) s << ", p=" << p << " (k=" << static_cast<long long>(std::ceil(static_cast<double>(n) * p - 1e-9)) << ')';
+  if (p < 1) s << ", p=" << p << " (k=" << prms_k(n, p) << ')';
   return s.str();
 }
 

@@ -26,7 +26,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, double p) {
   const std::int64_t C = x.size(-1);
-  const std::int64_t k = std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(static_cast<double>(C) * p - 1e-9)));
+  const std::int64_t k = prms_k(C, p);
   Tensor xk = k == C ? x : slice(x, -1, 0, k);
   Tensor ms = mean(xk * xk, {-1}, true);
   return affine(x * rsqrt(ms + eps), weight, bias);

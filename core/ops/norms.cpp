@@ -31,17 +31,27 @@ void check_eps(const char* op, double eps) {
   if (!(eps >= 0) || !std::isfinite(eps)) fail(op, "eps must be finite and >= 0, got ", eps);
 }
 
-}  // namespace
-
-Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
-  const char* op = "layer_norm";
+// The checks shared by the row norms (over the last axis); returns the number of features C.
+std::int64_t check_row_norm(const char* op, const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
   detail::check_float(op, x);
   if (x.dim() < 1) fail(op, "needs at least 1 dim, got a 0-d tensor");
-  const std::int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
+  const std::int64_t C = x.size(-1);
   if (C == 0) fail(op, "normalising over 0 features, input ", x.shape());
   check_param(op, "weight", weight, x, C);
   check_param(op, "bias", bias, x, C);
   check_eps(op, eps);
+  return C;
+}
+
+}  // namespace
+
+std::int64_t prms_k(std::int64_t n, double p) {
+  return std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(static_cast<double>(n) * p - 1e-9)));
+}
+
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  const char* op = "layer_norm";
+  const std::int64_t C = check_row_norm(op, x, weight, bias, eps), rows = x.numel() / C;
   Tensor y = Tensor::empty(x.shape(), x.dtype());
   Tensor mean = Tensor::empty(Shape{rows}, DType::f64), rstd = Tensor::empty(Shape{rows}, x.dtype());
   dispatch_float(op, x.dtype(), [&](auto z) {
@@ -66,16 +76,9 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, double p) {
   const char* op = "rms_norm";
-  detail::check_float(op, x);
-  if (x.dim() < 1) fail(op, "needs at least 1 dim, got a 0-d tensor");
-  const std::int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
-  if (C == 0) fail(op, "normalising over 0 features, input ", x.shape());
-  check_param(op, "weight", weight, x, C);
-  check_param(op, "bias", bias, x, C);
-  check_eps(op, eps);
+  const std::int64_t C = check_row_norm(op, x, weight, bias, eps), rows = x.numel() / C;
   if (!(p > 0 && p <= 1)) fail(op, "p must be in (0, 1], got ", p);
-  // k = ceil(n p), the paper's text (its PyTorch code takes floor); at least one feature.
-  const std::int64_t k = std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(static_cast<double>(C) * p - 1e-9)));
+  const std::int64_t k = prms_k(C, p);
   Tensor y = Tensor::empty(x.shape(), x.dtype());
   Tensor rrms = Tensor::empty(Shape{rows}, x.dtype());
   dispatch_float(op, x.dtype(), [&](auto z) {

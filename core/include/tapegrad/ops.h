@@ -90,6 +90,9 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 // RMSNorm over the last axis: x / sqrt(mean(x[..., :k]^2) + eps) * weight + bias with
 // k = ceil(C * p); p = 1 is RMSNorm, p < 1 partial RMSNorm. eps inside the square root.
 Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5, double p = 1.0);
+// The number of features pRMSNorm's statistic uses: k = ceil(n p), at least 1 (the paper's text;
+// its code takes the floor). A 1e-9 slack keeps n p = 7.000000000000001 at 7.
+std::int64_t prms_k(std::int64_t n, double p);
 // BatchNorm (F.batch_norm) of x (N, C) or (N, C, L); with channels_last, x (..., C) normalised over
 // all leading dims (a (B, T, C) activation over B*T rows). In training the batch statistics are
 // used and, when running_mean / running_var are defined, updated in place:
