@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "fixtures.h"
 #include "helpers.h"
 #include "tapegrad/nn/norms.h"
 
@@ -26,45 +27,15 @@ using nlohmann::json;
 
 constexpr double kTol = 1e-10;
 
-const json& fixtures() {
-  static const json j = [] {
-    const std::string path = std::string(TAPEGRAD_FIXTURES) + "/norms.json";
-    std::ifstream in(path);
-    if (!in) FAIL("cannot open " << path << " (regenerate with tests/fixtures/make_norm_fixtures.py)");
-    return json::parse(in);
-  }();
-  return j;
-}
+const json& fixtures() { return tgtest::fixture("norms.json"); }
 
-// {"shape": [...], "data": [...]} as a float64 tensor (a leaf, no grad).
-tg::Tensor from_json(const json& j) {
-  const std::vector<std::int64_t> shape = j.at("shape").get<std::vector<std::int64_t>>();
-  const std::vector<double> data = j.at("data").get<std::vector<double>>();
-  return tg::from_vector<double>(data, tg::Shape(shape));
-}
+using tgtest::from_json;
 tg::Tensor leaf(const json& j) {
   tg::Tensor t = from_json(j);
   t.requires_grad_();
   return t;
 }
 
-// Largest difference seen per check label, printed at exit when TAPEGRAD_PARITY_REPORT is set.
-struct Report {
-  std::map<std::string, double> worst;
-  ~Report() {
-    if (!std::getenv("TAPEGRAD_PARITY_REPORT")) return;
-    double all = 0;
-    for (const auto& [k, v] : worst) {
-      std::cout << "  max |diff| " << k << ": " << v << '\n';
-      all = std::max(all, v);
-    }
-    std::cout << "  max |diff| overall: " << all << '\n';
-  }
-};
-Report& report() {
-  static Report r;
-  return r;
-}
 
 // got must match the fixture tensor want (shape and every value to kTol).
 void check_close(const tg::Tensor& got, const json& want, const std::string& what) {
@@ -74,8 +45,7 @@ void check_close(const tg::Tensor& got, const json& want, const std::string& wha
   const tg::Tensor ref = from_json(want);
   REQUIRE(got.shape() == ref.shape());
   const double d = tgtest::max_abs_diff(got, ref);
-  double& w = report().worst[what];
-  w = std::max(w, d);
+  tgtest::note_parity(what, d);
   INFO("max |diff| = " << d);
   CHECK(d <= kTol);
 }

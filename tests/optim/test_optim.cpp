@@ -29,6 +29,7 @@
 
 #include <unistd.h>
 
+#include "fixtures.h"
 #include "helpers.h"
 
 namespace {
@@ -39,41 +40,11 @@ namespace optim = tg::optim;
 
 constexpr double kTol = 1e-10;
 
-const json& fixtures() {
-  static const json j = [] {
-    const std::string path = std::string(TAPEGRAD_FIXTURES) + "/optim.json";
-    std::ifstream in(path);
-    if (!in) FAIL("cannot open " << path << " (regenerate with tests/fixtures/make_optim_fixtures.py)");
-    return json::parse(in);
-  }();
-  return j;
-}
+const json& fixtures() { return tgtest::fixture("optim.json"); }
 
-// {"shape": [...], "data": [...]} as a float64 tensor (a leaf, no grad).
-Tensor from_json(const json& j) {
-  const std::vector<std::int64_t> shape = j.at("shape").get<std::vector<std::int64_t>>();
-  const std::vector<double> data = j.at("data").get<std::vector<double>>();
-  return tg::from_vector<double>(data, tg::Shape(shape));
-}
+using tgtest::from_json;
 
-// Largest difference seen per label, printed at exit when TAPEGRAD_PARITY_REPORT is set.
-struct Report {
-  std::map<std::string, double> worst;
-  ~Report() {
-    if (!std::getenv("TAPEGRAD_PARITY_REPORT")) return;
-    double all = 0;
-    for (const auto& [k, v] : worst) {
-      std::cout << "  max |diff| " << k << ": " << v << '\n';
-      all = std::max(all, v);
-    }
-    std::cout << "  max |diff| overall: " << all << '\n';
-  }
-};
-void note(const std::string& what, double d) {
-  static Report r;
-  double& w = r.worst[what];
-  w = std::max(w, d);
-}
+void note(const std::string& what, double d) { tgtest::note_parity(what, d); }
 
 // Every element of t within kTol of the flat values want.
 void require_close(const Tensor& t, const std::vector<double>& want, const std::string& what) {
