@@ -1,5 +1,7 @@
 #include "tapegrad/autograd.h"
 
+#include <algorithm>
+#include <cmath>
 #include <iomanip>
 #include <ostream>
 #include <sstream>
@@ -24,13 +26,92 @@ std::string human_bytes(std::size_t b) {
 }
 }  // namespace
 
+// ---- arena ----
+
+namespace detail {
+
+Arena::~Arena() {
+  for (auto& [p, n] : blocks_) ::operator delete(p, n, std::align_val_t(64));
+}
+
+void Arena::reset() {
+  block_ = 0;
+  ptr_ = blocks_.empty() ? nullptr : blocks_[0].first;
+  end_ = blocks_.empty() ? nullptr : blocks_[0].first + blocks_[0].second;
+}
+
+void* Arena::do_allocate(std::size_t bytes, std::size_t align) {
+  for (;;) {
+    if (ptr_) {
+      const auto p = reinterpret_cast<std::uintptr_t>(ptr_);
+      const std::uintptr_t a = (p + align - 1) & ~(static_cast<std::uintptr_t>(align) - 1);
+      if (a + bytes <= reinterpret_cast<std::uintptr_t>(end_)) {
+        ptr_ = reinterpret_cast<char*>(a + bytes);
+        return reinterpret_cast<void*>(a);
+      }
+    }
+    // The next kept block, or a new one (64 KiB, doubling, at least big enough for this request).
+    const std::size_t next = ptr_ ? block_ + 1 : 0;
+    if (next >= blocks_.size()) {
+      const std::size_t want = std::max<std::size_t>(bytes + align, blocks_.empty() ? (64u << 10) : 2 * blocks_.back().second);
+      blocks_.emplace_back(static_cast<char*>(::operator new(want, std::align_val_t(64))), want);
+    } else if (blocks_[next].second < bytes + align) {
+      // A kept block too small for this request: put a big enough one in its place.
+      ::operator delete(blocks_[next].first, blocks_[next].second, std::align_val_t(64));
+      const std::size_t want = std::max(bytes + align, 2 * blocks_[next].second);
+      blocks_[next] = {static_cast<char*>(::operator new(want, std::align_val_t(64))), want};
+    }
+    block_ = next;
+    ptr_ = blocks_[next].first;
+    end_ = ptr_ + blocks_[next].second;
+  }
+}
+
+}  // namespace detail
+
 // ---- Node ----
+
+Node::Node(Node&& o) noexcept
+    : op(o.op),
+      inputs(std::move(o.inputs)),
+      outputs(std::move(o.outputs)),
+      input_shapes(std::move(o.input_shapes)),
+      undefined_inputs(o.undefined_inputs),
+      saved(std::move(o.saved)),
+      backward(o.backward),
+      freed(o.freed) {
+  o.backward = BackwardFn{};
+}
+
+void Node::release_backward() {
+  if (backward.destroy) backward.destroy(backward.obj);
+  backward = BackwardFn{};  // the closure's memory belongs to the arena
+}
 
 const Tensor& Node::grad_out(std::size_t i) const { return outputs[i]->grad; }
 
 Tensor Node::grad_in(std::size_t i) const {
   if (!needs_grad(i)) return Tensor();
   return inputs[i]->grad_accumulator();
+}
+
+GradDest Node::grad_dest(std::size_t i) const {
+  GradDest d;
+  if (!needs_grad(i)) return d;
+  AutogradMeta& m = *inputs[i];
+  // The same tensor passed as two inputs (x * x): both writes add into one zero-filled buffer, so
+  // the kernel's order of writing them does not matter.
+  bool aliased = false;
+  for (std::size_t j = 0; j < inputs.size(); ++j) aliased = aliased || (j != i && inputs[j].get() == &m);
+  if (m.grad.defined() || aliased) {
+    d.buf = m.grad_accumulator();
+    d.acc = true;
+  } else {
+    m.grad = Tensor::empty(m.shape, m.dtype);
+    d.buf = m.grad;
+    d.acc = false;
+  }
+  return d;
 }
 
 std::size_t Node::bytes_saved() const {
@@ -46,15 +127,18 @@ Tape& tape() {
   return t;
 }
 
-Node& Tape::push(Node&& n) {
+Tape::~Tape() { nodes_.clear(); }
+
+Node& Tape::push() {
   if (nodes_.size() >= next_sweep_) sweep();
-  nodes_.push_back(std::move(n));
+  nodes_.emplace_back(&arena_);
   ++live_;
   return nodes_.back();
 }
 
 void Tape::clear() {
   nodes_.clear();
+  arena_.reset();
   live_ = 0;
   next_sweep_ = kFirstSweep;
   ++generation_;
@@ -65,10 +149,8 @@ void Tape::free_node(std::size_t i) {
   if (n.freed) return;
   n.freed = true;
   n.saved.clear();
-  n.saved.shrink_to_fit();
-  n.backward = nullptr;
+  n.release_backward();
   n.inputs.clear();
-  n.inputs.shrink_to_fit();
   --live_;
 }
 
@@ -159,38 +241,120 @@ bool should_record(std::initializer_list<const Tensor*> inputs) {
   return false;
 }
 
-Node& record(const char* op, const std::vector<const Tensor*>& inputs, const std::vector<Tensor*>& outputs,
-             std::function<void(Node&)> backward, std::vector<Tensor> saved) {
+namespace detail {
+
+Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in, Tensor* const* outputs,
+                  std::size_t n_out, const Tensor* saved, std::size_t n_saved) {
   Tape& tp = tape();
-  Node n;
+  Node& n = tp.push();
   n.op = op;
-  n.inputs.reserve(inputs.size());
-  n.input_shapes.reserve(inputs.size());
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
+  n.inputs.reserve(n_in);
+  n.input_shapes.reserve(n_in);
+  for (std::size_t i = 0; i < n_in; ++i) {
     const Tensor* t = inputs[i];
     n.inputs.push_back(t->requires_grad() ? t->meta() : nullptr);
     n.input_shapes.push_back(t->shape());
     if (!t->defined() && i < 64) n.undefined_inputs |= std::uint64_t(1) << i;
   }
-  n.outputs.reserve(outputs.size());
-  for (Tensor* t : outputs) n.outputs.push_back(t->ensure_meta());
-  n.saved = std::move(saved);
-  n.backward = std::move(backward);
-  Node& node = tp.push(std::move(n));
-  // Stamped after the push: its sweep may have emptied the tape and started a new generation.
-  for (auto& m : node.outputs) {
+  n.outputs.reserve(n_out);
+  for (std::size_t i = 0; i < n_out; ++i) {
+    auto& m = outputs[i]->ensure_meta();
     m->requires_grad = true;
     m->node = static_cast<std::int64_t>(tp.size()) - 1;
     m->generation = tp.generation();
+    n.outputs.push_back(m);
   }
-  return node;
+  n.saved.assign(saved, saved + n_saved);
+  return n;
 }
 
-Node& record(const char* op, std::initializer_list<const Tensor*> inputs, std::initializer_list<Tensor*> outputs,
-             std::function<void(Node&)> backward, std::vector<Tensor> saved) {
-  return record(op, std::vector<const Tensor*>(inputs), std::vector<Tensor*>(outputs), std::move(backward),
-                std::move(saved));
+}  // namespace detail
+
+// ---- anomaly mode ----
+
+namespace {
+thread_local bool t_anomaly = false;
+
+// Index of the first NaN or Inf in t, or -1 (float tensors only; integers are always finite).
+std::int64_t first_nonfinite(const Tensor& t) {
+  if (!t.defined() || !is_floating(t.dtype())) return -1;
+  return detail::dispatch_float("anomaly", t.dtype(), [&](auto z) -> std::int64_t {
+    using T = decltype(z);
+    const T* p = t.data<T>();
+    for (std::int64_t i = 0; i < t.numel(); ++i)
+      if (!std::isfinite(p[i])) return i;
+    return -1;
+  });
 }
+
+std::string describe(const Tensor& t, std::int64_t i) {
+  std::ostringstream s;
+  const double v = t.to(DType::f64).data<double>()[i];
+  s << (std::isnan(v) ? "NaN" : v > 0 ? "+Inf" : "-Inf") << " at flat index " << i << " of " << t.dtype() << ' '
+    << t.shape();
+  return s.str();
+}
+
+std::string shapes_of(const Node& n) {
+  std::ostringstream s;
+  s << '(';
+  for (std::size_t k = 0; k < n.input_shapes.size(); ++k) s << (k ? ", " : "") << n.input_shapes[k];
+  s << ") -> (";
+  for (std::size_t k = 0; k < n.outputs.size(); ++k) s << (k ? ", " : "") << n.outputs[k]->shape;
+  s << ')';
+  return s.str();
+}
+}  // namespace
+
+void set_detect_anomaly(bool on) { t_anomaly = on; }
+bool is_anomaly_enabled() { return t_anomaly; }
+DetectAnomalyGuard::DetectAnomalyGuard(bool on) : prev_(t_anomaly) { t_anomaly = on; }
+DetectAnomalyGuard::~DetectAnomalyGuard() { t_anomaly = prev_; }
+
+namespace detail {
+
+bool anomaly_enabled() { return t_anomaly; }
+
+void check_anomaly_outputs(const char* op, std::size_t index, const Node& n, const Tensor* const* outputs,
+                           std::size_t n_out, const Tensor* const* inputs, std::size_t n_in) {
+  for (std::size_t k = 0; k < n_out; ++k) {
+    const std::int64_t at = first_nonfinite(*outputs[k]);
+    if (at < 0) continue;
+    std::ostringstream why;
+    bool input_bad = false;
+    for (std::size_t j = 0; j < n_in; ++j) {
+      const std::int64_t ja = first_nonfinite(*inputs[j]);
+      if (ja >= 0) {
+        why << "; input " << j << " already had " << describe(*inputs[j], ja);
+        input_bad = true;
+      }
+    }
+    fail("anomaly", "forward of op '", op, "' (tape node ", index, ", shapes ", shapes_of(n), ") produced ",
+         describe(*outputs[k], at), " in output ", k, input_bad ? why.str() : std::string("; its inputs were all finite"));
+  }
+}
+
+void check_anomaly_backward(const Node& n, std::size_t index) {
+  for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+    if (!n.inputs[k]) continue;
+    const std::int64_t at = first_nonfinite(n.inputs[k]->grad);
+    if (at < 0) continue;
+    std::ostringstream up;
+    bool up_bad = false;
+    for (std::size_t j = 0; j < n.outputs.size(); ++j) {
+      const std::int64_t ja = first_nonfinite(n.outputs[j]->grad);
+      if (ja >= 0) {
+        up << "; the upstream gradient of output " << j << " already had " << describe(n.outputs[j]->grad, ja);
+        up_bad = true;
+      }
+    }
+    fail("anomaly", "backward of op '", n.op, "' (tape node ", index, ", shapes ", shapes_of(n), ") produced ",
+         describe(n.inputs[k]->grad, at), " in the gradient of input ", k,
+         up_bad ? up.str() : std::string("; the upstream gradient was finite"));
+  }
+}
+
+}  // namespace detail
 
 // ---- backward ----
 
@@ -230,18 +394,23 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
       if (in) in->visit = mark;
   }
 
-  // Accumulate the seed (so backward on a leaf, or twice with keep_tape, adds up).
-  {
+  // Seed the root's gradient. An intermediate root whose gradient nobody keeps is only read by its
+  // own node, so it may share the caller's tensor; a leaf's or a retained gradient accumulates (so
+  // backward on a leaf, or twice with keep_tape, adds up) into a buffer of its own.
+  if (!rm.grad.defined() && rm.node >= 0 && !rm.retains_grad) {
+    rm.grad = seed.detach();
+  } else {
     Tensor g = rm.grad_accumulator();
     detail::dispatch_float("backward", g.dtype(), [&](auto z) {
       using T = decltype(z);
       T* gp = g.data<T>();
       const T* sp = seed.data<T>();
-      const std::int64_t n = g.numel();
-      TG_PARALLEL_FOR(n)
-      for (std::int64_t i = 0; i < n; ++i) gp[i] += sp[i];
+      kernels::parallel_for(g.numel(), g.numel(), [&](std::int64_t lo, std::int64_t hi) {
+        for (std::int64_t i = lo; i < hi; ++i) gp[i] += sp[i];
+      });
     });
   }
+  const bool anomaly = detail::anomaly_enabled();
   // Pass 2: the reverse walk over the marked nodes.
   NoGradGuard no_record;  // backward kernels must not append to the tape they walk
   for (std::int64_t i = rm.node; i >= 0; --i) {
@@ -249,7 +418,8 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
     bool reached = false;
     for (const auto& o : n.outputs) reached = reached || (o->visit == mark && o->grad.defined());
     if (!reached || n.freed) continue;
-    n.backward(n);
+    n.run_backward();
+    if (anomaly) detail::check_anomaly_backward(n, static_cast<std::size_t>(i));
     // An intermediate gradient is dead once its node has run: free it (PyTorch keeps only leaves').
     for (const auto& o : n.outputs)
       if (!o->retains_grad) o->grad = Tensor();

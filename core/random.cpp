@@ -47,15 +47,16 @@ Generator& pick(Generator* g) { return g ? *g : default_generator(); }
 template <class T>
 void fill_normal(T* p, std::int64_t n, double mean, double std, std::uint64_t seed, std::uint64_t base) {
   const std::int64_t pairs = (n + 1) / 2;
-  TG_PARALLEL_FOR(n)
-  for (std::int64_t j = 0; j < pairs; ++j) {
-    const double u1 = Generator::uniform_open0(seed, base + 2 * static_cast<std::uint64_t>(j));
-    const double u2 = Generator::uniform(seed, base + 2 * static_cast<std::uint64_t>(j) + 1);
-    const double r = std::sqrt(-2.0 * std::log(u1));
-    const double th = 2.0 * std::numbers::pi * u2;
-    p[2 * j] = static_cast<T>(mean + std * r * std::cos(th));
-    if (2 * j + 1 < n) p[2 * j + 1] = static_cast<T>(mean + std * r * std::sin(th));
-  }
+  kernels::parallel_for(pairs, n, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t j = lo; j < hi; ++j) {
+      const double u1 = Generator::uniform_open0(seed, base + 2 * static_cast<std::uint64_t>(j));
+      const double u2 = Generator::uniform(seed, base + 2 * static_cast<std::uint64_t>(j) + 1);
+      const double r = std::sqrt(-2.0 * std::log(u1));
+      const double th = 2.0 * std::numbers::pi * u2;
+      p[2 * j] = static_cast<T>(mean + std * r * std::cos(th));
+      if (2 * j + 1 < n) p[2 * j + 1] = static_cast<T>(mean + std * r * std::sin(th));
+    }
+  });
 }
 }  // namespace
 
@@ -81,9 +82,10 @@ void uniform_(Tensor& t, double low, double high, Generator* gen) {
   detail::dispatch_float("uniform_", t.dtype(), [&](auto z) {
     using T = decltype(z);
     T* p = t.data<T>();
-    TG_PARALLEL_FOR(n)
-    for (std::int64_t i = 0; i < n; ++i)
-      p[i] = static_cast<T>(low + (high - low) * Generator::uniform(seed, base + static_cast<std::uint64_t>(i)));
+    kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t i = lo; i < hi; ++i)
+        p[i] = static_cast<T>(low + (high - low) * Generator::uniform(seed, base + static_cast<std::uint64_t>(i)));
+    });
   });
 }
 

@@ -24,16 +24,26 @@ namespace {
 constexpr std::size_t kAlign = 64;
 constexpr std::size_t kMaxCached = std::size_t(2) << 30;  // 2 GiB
 
+// Blocks up to kSmallMax bytes sit in an array of lists indexed by size / kAlign (no hashing);
+// larger ones in a map keyed by size.
+constexpr std::size_t kSmallMax = std::size_t(64) << 10;
+
 struct Cache {
   std::mutex mu;
-  std::unordered_map<std::size_t, std::vector<void*>> free;
+  std::vector<std::vector<void*>> small = std::vector<std::vector<void*>>(kSmallMax / kAlign + 1);
+  std::unordered_map<std::size_t, std::vector<void*>> large;
   std::size_t bytes = 0;
   ~Cache() { release(); }
+  std::vector<void*>& list(std::size_t size) { return size <= kSmallMax ? small[size / kAlign] : large[size]; }
   void release() {
     std::lock_guard<std::mutex> lock(mu);
-    for (auto& [size, blocks] : free)
+    for (auto& blocks : small) {
       for (void* p : blocks) std::free(p);
-    free.clear();
+      blocks.clear();
+    }
+    for (auto& [size, blocks] : large)
+      for (void* p : blocks) std::free(p);
+    large.clear();
     bytes = 0;
   }
 };
@@ -53,10 +63,10 @@ Storage::Storage(std::size_t n) : nbytes(n) {
   {
     Cache& c = cache();
     std::lock_guard<std::mutex> lock(c.mu);
-    auto it = c.free.find(size);
-    if (it != c.free.end() && !it->second.empty()) {
-      data = it->second.back();
-      it->second.pop_back();
+    std::vector<void*>& blocks = c.list(size);
+    if (!blocks.empty()) {
+      data = blocks.back();
+      blocks.pop_back();
       c.bytes -= size;
       return;
     }
@@ -72,7 +82,7 @@ Storage::~Storage() {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   if (c.bytes + size <= kMaxCached) {
-    c.free[size].push_back(data);
+    c.list(size).push_back(data);
     c.bytes += size;
     return;
   }

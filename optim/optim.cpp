@@ -5,11 +5,9 @@
 #include <numbers>
 #include <sstream>
 
+#include "kernels/parallel.h"
 #include "tapegrad/error.h"
 
-#define TG_PRAGMA(x) _Pragma(#x)
-// One pass over each parameter's memory; OpenMP only when the tensor is large enough to pay.
-#define TG_OPTIM_FOR(n) TG_PRAGMA(omp parallel for schedule(static) if ((n) >= (1 << 15)))
 
 namespace tg::optim {
 
@@ -211,16 +209,17 @@ void SGD::step() {
       T* b = m != 0 ? buf.data<T>() : nullptr;
       const std::int64_t n = p.numel();
       const bool nest = nesterov;
-      TG_OPTIM_FOR(n)
-      for (std::int64_t k = 0; k < n; ++k) {
-        T d = gr[k];
-        if (wd != 0) d = d + static_cast<T>(wd) * w[k];
-        if (m != 0) {
-          b[k] = first ? d : static_cast<T>(m) * b[k] + static_cast<T>(1 - damp) * d;
-          d = nest ? d + static_cast<T>(m) * b[k] : b[k];
+      kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+        for (std::int64_t k = lo; k < hi; ++k) {
+          T d = gr[k];
+          if (wd != 0) d = d + static_cast<T>(wd) * w[k];
+          if (m != 0) {
+            b[k] = first ? d : static_cast<T>(m) * b[k] + static_cast<T>(1 - damp) * d;
+            d = nest ? d + static_cast<T>(m) * b[k] : b[k];
+          }
+          w[k] = w[k] - static_cast<T>(lr) * d;
         }
-        w[k] = w[k] - static_cast<T>(lr) * d;
-      }
+      });
     });
   });
 }
@@ -267,21 +266,22 @@ void Adam::step() {
       T* vp = v.data<T>();
       T* vm = ams ? vmax.data<T>() : nullptr;
       const std::int64_t n = p.numel();
-      TG_OPTIM_FOR(n)
-      for (std::int64_t k = 0; k < n; ++k) {
-        T gk = gr[k];
-        if (dec) w[k] = w[k] * static_cast<T>(1 - lr * wd);       // AdamW: decoupled decay
-        else if (wd != 0) gk = gk + static_cast<T>(wd) * w[k];    // Adam: L2 in the gradient
-        mp[k] = mp[k] * static_cast<T>(b1) + gk * static_cast<T>(1 - b1);
-        vp[k] = vp[k] * static_cast<T>(b2) + static_cast<T>(1 - b2) * gk * gk;
-        T vk = vp[k];
-        if (ams) {
-          vm[k] = vm[k] > vk ? vm[k] : vk;
-          vk = vm[k];
+      kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+        for (std::int64_t k = lo; k < hi; ++k) {
+          T gk = gr[k];
+          if (dec) w[k] = w[k] * static_cast<T>(1 - lr * wd);       // AdamW: decoupled decay
+          else if (wd != 0) gk = gk + static_cast<T>(wd) * w[k];    // Adam: L2 in the gradient
+          mp[k] = mp[k] * static_cast<T>(b1) + gk * static_cast<T>(1 - b1);
+          vp[k] = vp[k] * static_cast<T>(b2) + static_cast<T>(1 - b2) * gk * gk;
+          T vk = vp[k];
+          if (ams) {
+            vm[k] = vm[k] > vk ? vm[k] : vk;
+            vk = vm[k];
+          }
+          const T denom = std::sqrt(vk) / static_cast<T>(bc2_sqrt) + static_cast<T>(e);
+          w[k] = w[k] - static_cast<T>(step_size) * (mp[k] / denom);
         }
-        const T denom = std::sqrt(vk) / static_cast<T>(bc2_sqrt) + static_cast<T>(e);
-        w[k] = w[k] - static_cast<T>(step_size) * (mp[k] / denom);
-      }
+      });
     });
   });
 }
@@ -343,8 +343,9 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
         using T = decltype(z);
         T* d = g.data<T>();
         const std::int64_t n = g.numel();
-        TG_OPTIM_FOR(n)
-        for (std::int64_t k = 0; k < n; ++k) d[k] = d[k] * static_cast<T>(coef);
+        kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+          for (std::int64_t k = lo; k < hi; ++k) d[k] = d[k] * static_cast<T>(coef);
+        });
       });
     }
   }

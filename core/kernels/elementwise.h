@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numbers>
+#include <vector>
 
 #include "kernels/fastmath.h"
 #include "kernels/parallel.h"
@@ -116,20 +117,24 @@ struct RdivScalarOp {  // s / x; d/dx = -s / x^2 = -y / x
 
 template <class T, class Op>
 void unary_forward(const T* x, T* y, std::int64_t n, Op op) {
-  TG_PARALLEL_FOR(n)
-  for (std::int64_t i = 0; i < n; ++i) y[i] = op.f(x[i]);
+  parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t i = lo; i < hi; ++i) y[i] = op.f(x[i]);
+  });
 }
 
-// dx += dy * df(x, y); x or y may be null when Op does not read it.
+// dx (+)= dy * df(x, y) (+= when acc, = otherwise); x or y may be null when Op does not read it.
 template <class T, class Op>
-void unary_backward(const T* x, const T* y, const T* dy, T* dx, std::int64_t n, Op op) {
-  TG_PARALLEL_FOR(n)
-  for (std::int64_t i = 0; i < n; ++i) {
-    T xi{}, yi{};
-    if constexpr (Op::kX) xi = x[i];
-    if constexpr (Op::kY) yi = y[i];
-    dx[i] += dy[i] * op.df(xi, yi);
-  }
+void unary_backward(const T* x, const T* y, const T* dy, T* dx, std::int64_t n, Op op, bool acc) {
+  with_acc(acc, [&](auto A) {
+    parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t i = lo; i < hi; ++i) {
+        T xi{}, yi{};
+        if constexpr (Op::kX) xi = x[i];
+        if constexpr (Op::kY) yi = y[i];
+        put<decltype(A)>(dx[i], dy[i] * op.df(xi, yi));
+      }
+    });
+  });
 }
 
 // ---- binary: y = f(a, b); partials da(a, b) and db(a, b) ----
@@ -168,18 +173,81 @@ inline T load(const T* p, std::int64_t i) {
 // Fast path: a, b and y all have the same shape.
 template <class T, class Op>
 void binary_forward_same(const T* a, const T* b, T* y, std::int64_t n) {
-  TG_PARALLEL_FOR(n)
-  for (std::int64_t i = 0; i < n; ++i) y[i] = Op::f(a[i], b[i]);
+  parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t i = lo; i < hi; ++i) y[i] = Op::f(a[i], b[i]);
+  });
 }
+// da (+)= dy * da(a, b), db (+)= dy * db(a, b); acc_a / acc_b pick += over =.
 template <class T, class Op>
-void binary_backward_same(const T* a, const T* b, const T* dy, T* da, T* db, std::int64_t n) {
-  if (da) {
-    TG_PARALLEL_FOR(n)
-    for (std::int64_t i = 0; i < n; ++i) da[i] += dy[i] * Op::da(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, i));
-  }
-  if (db) {
-    TG_PARALLEL_FOR(n)
-    for (std::int64_t i = 0; i < n; ++i) db[i] += dy[i] * Op::db(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, i));
+void binary_backward_same(const T* a, const T* b, const T* dy, T* da, T* db, std::int64_t n, bool acc_a, bool acc_b) {
+  if (da)
+    with_acc(acc_a, [&](auto A) {
+      parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+        for (std::int64_t i = lo; i < hi; ++i) put<decltype(A)>(da[i], dy[i] * Op::da(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, i)));
+      });
+    });
+  if (db)
+    with_acc(acc_b, [&](auto A) {
+      parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+        for (std::int64_t i = lo; i < hi; ++i) put<decltype(A)>(db[i], dy[i] * Op::db(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, i)));
+      });
+    });
+}
+
+// Row broadcast, the common case of a bias or a position table: the output viewed as (M, L), one
+// operand full (M, L), the other a single row of L elements repeated over the M rows (its shape
+// is the output's trailing dims, with leading 1s). row_is_b says which operand is the row.
+template <class T, class Op>
+void binary_forward_rows(const T* a, const T* b, T* y, std::int64_t M, std::int64_t L, bool row_is_b) {
+  parallel_for(M, M * L, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t m = lo; m < hi; ++m) {
+      T* yr = y + m * L;
+      if (row_is_b) {
+        const T* ar = a + m * L;
+        for (std::int64_t j = 0; j < L; ++j) yr[j] = Op::f(ar[j], b[j]);
+      } else {
+        const T* br = b + m * L;
+        for (std::int64_t j = 0; j < L; ++j) yr[j] = Op::f(a[j], br[j]);
+      }
+    }
+  });
+}
+// The full operand's gradient is written element by element ((+)= as acc_full); the row's is a
+// sum over the M rows, each thread summing its rows into its own buffer (partials added in thread
+// order: the same bits for the same thread count), then added into d_row.
+template <class T, class Op>
+void binary_backward_rows(const T* a, const T* b, const T* dy, T* da, T* db, std::int64_t M, std::int64_t L,
+                          bool row_is_b, bool acc_full) {
+  T* d_full = row_is_b ? da : db;
+  T* d_row = row_is_b ? db : da;
+  auto partial = [&](std::int64_t j, std::int64_t m) -> T {  // d y[m, j] / d row[j] * dy[m, j]
+    const std::int64_t i = m * L + j;
+    return row_is_b ? dy[i] * Op::db(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, j))
+                    : dy[i] * Op::da(load<Op::kNeedA>(a, j), load<Op::kNeedB>(b, i));
+  };
+  if (d_full)
+    with_acc(acc_full, [&](auto A) {
+      parallel_for(M, M * L, [&](std::int64_t lo, std::int64_t hi) {
+        for (std::int64_t m = lo; m < hi; ++m)
+          for (std::int64_t j = 0; j < L; ++j) {
+            const std::int64_t i = m * L + j;
+            const T g = row_is_b ? dy[i] * Op::da(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, j))
+                                 : dy[i] * Op::db(load<Op::kNeedA>(a, j), load<Op::kNeedB>(b, i));
+            put<decltype(A)>(d_full[i], g);
+          }
+      });
+    });
+  if (d_row) {
+    const int nt = worth_parallel(M * L) ? omp_get_max_threads() : 1;
+    std::vector<double> part(static_cast<std::size_t>(nt * L), 0.0);
+    parallel_region(M * L, [&](int t, int n_threads) {
+      double* acc = part.data() + static_cast<std::size_t>(t) * static_cast<std::size_t>(L);
+      for (std::int64_t m = chunk_begin(M, t, n_threads); m < chunk_begin(M, t + 1, n_threads); ++m)
+        for (std::int64_t j = 0; j < L; ++j) acc[j] += static_cast<double>(partial(j, m));
+    });
+    for (int t = 1; t < nt; ++t)
+      for (std::int64_t j = 0; j < L; ++j) part[static_cast<std::size_t>(j)] += part[static_cast<std::size_t>(t * L + j)];
+    for (std::int64_t j = 0; j < L; ++j) d_row[j] += static_cast<T>(part[static_cast<std::size_t>(j)]);
   }
 }
 

@@ -56,9 +56,10 @@ void slice_backward(const T* dy, T* dx, std::int64_t outer, std::int64_t n, std:
 // y[r, :] = w[ids[r], :]   (ids already validated to lie in [0, V))
 template <class T>
 void embedding_forward(const T* w, const std::int32_t* ids, T* y, std::int64_t rows, std::int64_t C) {
-  TG_PARALLEL_FOR(rows * C)
-  for (std::int64_t r = 0; r < rows; ++r)
-    std::memcpy(y + r * C, w + static_cast<std::int64_t>(ids[r]) * C, sizeof(T) * static_cast<std::size_t>(C));
+  parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = lo; r < hi; ++r)
+      std::memcpy(y + r * C, w + static_cast<std::int64_t>(ids[r]) * C, sizeof(T) * static_cast<std::size_t>(C));
+  });
 }
 // dw[ids[r], :] += dy[r, :]. Serial over rows: two rows may share an id.
 template <class T>

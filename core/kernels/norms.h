@@ -26,15 +26,13 @@ namespace tg::kernels {
 // thread's zero-initialised double buffer of `width`. Returns the element-wise sum of the buffers.
 template <class F>
 std::vector<double> rows_with_partials(std::int64_t rows, std::int64_t width, std::int64_t work, F&& body) {
-  const bool par = work >= kParallelMin && rows > 1;
+  const bool par = rows > 1 && worth_parallel(work);
   const int nt = par ? omp_get_max_threads() : 1;
   std::vector<double> part(static_cast<std::size_t>(nt * width), 0.0);
-  TG_PRAGMA(omp parallel num_threads(nt) if (par))
-  {
-    double* acc = part.data() + static_cast<std::size_t>(omp_get_thread_num() * width);
-    TG_PRAGMA(omp for schedule(static))
-    for (std::int64_t r = 0; r < rows; ++r) body(r, acc);
-  }
+  parallel_region(par ? work : 0, [&](int t, int n_threads) {
+    double* acc = part.data() + static_cast<std::size_t>(t) * static_cast<std::size_t>(width);
+    for (std::int64_t r = chunk_begin(rows, t, n_threads); r < chunk_begin(rows, t + 1, n_threads); ++r) body(r, acc);
+  });
   for (int t = 1; t < nt; ++t)
     for (std::int64_t j = 0; j < width; ++j) part[static_cast<std::size_t>(j)] += part[static_cast<std::size_t>(t * width + j)];
   part.resize(static_cast<std::size_t>(width));
@@ -60,37 +58,39 @@ void add_param_grads(const std::vector<double>& tot, std::int64_t C, T* dg, T* d
 template <class T>
 void layer_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, T* rstd, std::int64_t rows,
                         std::int64_t C, double eps) {
-  TG_PARALLEL_FOR(rows * C)
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * C;
-    T* yr = y + r * C;
-    double mu = 0;
-    TG_PRAGMA(omp simd reduction(+ : mu))
-    for (std::int64_t j = 0; j < C; ++j) mu += xr[j];
-    mu /= static_cast<double>(C);
-    double var = 0;
-    TG_PRAGMA(omp simd reduction(+ : var))
-    for (std::int64_t j = 0; j < C; ++j) {
-      const double d = xr[j] - mu;
-      var += d * d;
+  parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = lo; r < hi; ++r) {
+      const T* xr = x + r * C;
+      T* yr = y + r * C;
+      double mu = 0;
+      TG_PRAGMA(omp simd reduction(+ : mu))
+      for (std::int64_t j = 0; j < C; ++j) mu += xr[j];
+      mu /= static_cast<double>(C);
+      double var = 0;
+      TG_PRAGMA(omp simd reduction(+ : var))
+      for (std::int64_t j = 0; j < C; ++j) {
+        const double d = xr[j] - mu;
+        var += d * d;
+      }
+      var /= static_cast<double>(C);
+      const double rs = 1.0 / std::sqrt(var + eps);
+      mean[r] = mu;
+      rstd[r] = static_cast<T>(rs);
+      for (std::int64_t j = 0; j < C; ++j) {
+        T v = static_cast<T>((xr[j] - mu) * rs);
+        if (g) v *= g[j];
+        if (b) v += b[j];
+        yr[j] = v;
+      }
     }
-    var /= static_cast<double>(C);
-    const double rs = 1.0 / std::sqrt(var + eps);
-    mean[r] = mu;
-    rstd[r] = static_cast<T>(rs);
-    for (std::int64_t j = 0; j < C; ++j) {
-      T v = static_cast<T>((xr[j] - mu) * rs);
-      if (g) v *= g[j];
-      if (b) v += b[j];
-      yr[j] = v;
-    }
-  }
+  });
 }
 // With dxhat = g dy:  da = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat));
 //                     dg += sum_rows dy xhat;  db += sum_rows dy.
 template <class T>
 void layer_norm_backward(const T* x, const T* g, const double* mean, const T* rstd, const T* dy, T* dx, T* dg, T* db,
-                         std::int64_t rows, std::int64_t C) {
+                         std::int64_t rows, std::int64_t C, bool acc_dx) {
+  with_acc(acc_dx, [&](auto A) {
   const std::vector<double> tot = rows_with_partials(rows, 2 * C, rows * C, [&](std::int64_t r, double* acc) {
     const T* xr = x + r * C;
     const T* gr = dy + r * C;
@@ -112,10 +112,11 @@ void layer_norm_backward(const T* x, const T* g, const double* mean, const T* rs
     for (std::int64_t j = 0; j < C; ++j) {
       const double xh = (xr[j] - mu) * rs;
       const double dxh = g ? static_cast<double>(gr[j]) * g[j] : gr[j];
-      dr[j] += static_cast<T>(rs * (dxh - m1 - xh * m2));
+      put<decltype(A)>(dr[j], static_cast<T>(rs * (dxh - m1 - xh * m2)));
     }
   });
   add_param_grads(tot, C, dg, db);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -124,23 +125,24 @@ void layer_norm_backward(const T* x, const T* g, const double* mean, const T* rs
 template <class T>
 void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::int64_t rows, std::int64_t C,
                       std::int64_t k, double eps) {
-  TG_PARALLEL_FOR(rows * C)
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * C;
-    T* yr = y + r * C;
-    double ms = 0;
-    TG_PRAGMA(omp simd reduction(+ : ms))
-    for (std::int64_t j = 0; j < k; ++j) ms += static_cast<double>(xr[j]) * xr[j];
-    ms /= static_cast<double>(k);
-    const double rr = 1.0 / std::sqrt(ms + eps);
-    rrms[r] = static_cast<T>(rr);
-    for (std::int64_t j = 0; j < C; ++j) {
-      T v = static_cast<T>(xr[j] * rr);
-      if (g) v *= g[j];
-      if (b) v += b[j];
-      yr[j] = v;
+  parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = lo; r < hi; ++r) {
+      const T* xr = x + r * C;
+      T* yr = y + r * C;
+      double ms = 0;
+      TG_PRAGMA(omp simd reduction(+ : ms))
+      for (std::int64_t j = 0; j < k; ++j) ms += static_cast<double>(xr[j]) * xr[j];
+      ms /= static_cast<double>(k);
+      const double rr = 1.0 / std::sqrt(ms + eps);
+      rrms[r] = static_cast<T>(rr);
+      for (std::int64_t j = 0; j < C; ++j) {
+        T v = static_cast<T>(xr[j] * rr);
+        if (g) v *= g[j];
+        if (b) v += b[j];
+        yr[j] = v;
+      }
     }
-  }
+  });
 }
 // The paper's eq. (section 4), generalised to pRMSNorm: r depends only on a[0:k], so
 //   da_i = g_i dy_i / r  -  [i < k] a_i / (k r^3) * sum_{j < n} g_j dy_j a_j
@@ -148,7 +150,8 @@ void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::in
 // is restricted to the first k features);  dg += sum_rows dy a / r;  db += sum_rows dy.
 template <class T>
 void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx, T* dg, T* db, std::int64_t rows,
-                       std::int64_t C, std::int64_t k) {
+                       std::int64_t C, std::int64_t k, bool acc_dx) {
+  with_acc(acc_dx, [&](auto A) {
   const std::vector<double> tot = rows_with_partials(rows, 2 * C, rows * C, [&](std::int64_t r, double* acc) {
     const T* xr = x + r * C;
     const T* gr = dy + r * C;
@@ -166,10 +169,11 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
     const double c2 = s * rr * rr * rr / static_cast<double>(k);
     for (std::int64_t j = 0; j < C; ++j) {
       const double gdy = g ? static_cast<double>(gr[j]) * g[j] : gr[j];
-      dr[j] += static_cast<T>(gdy * rr - (j < k ? xr[j] * c2 : 0.0));
+      put<decltype(A)>(dr[j], static_cast<T>(gdy * rr - (j < k ? xr[j] * c2 : 0.0)));
     }
   });
   add_param_grads(tot, C, dg, db);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -177,17 +181,18 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
 template <class T>
 void batch_norm_apply(const T* x, const T* g, const T* b, T* y, const double* mu, const T* rstd, std::int64_t R,
                       std::int64_t C) {
-  TG_PARALLEL_FOR(R * C)
-  for (std::int64_t r = 0; r < R; ++r) {
-    const T* xr = x + r * C;
-    T* yr = y + r * C;
-    for (std::int64_t c = 0; c < C; ++c) {
-      T v = static_cast<T>((xr[c] - mu[c]) * rstd[c]);
-      if (g) v *= g[c];
-      if (b) v += b[c];
-      yr[c] = v;
+  parallel_for(R, R * C, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = lo; r < hi; ++r) {
+      const T* xr = x + r * C;
+      T* yr = y + r * C;
+      for (std::int64_t c = 0; c < C; ++c) {
+        T v = static_cast<T>((xr[c] - mu[c]) * rstd[c]);
+        if (g) v *= g[c];
+        if (b) v += b[c];
+        yr[c] = v;
+      }
     }
-  }
+  });
 }
 
 // BatchNorm over the rows of a channels-last (R, C) view: per channel c,
@@ -223,7 +228,7 @@ void batch_norm_forward_train(const T* x, const T* g, const T* b, T* y, double* 
 // Eval mode (fixed running statistics, so y is affine in a):  da = g rstd dy.
 template <class T>
 void batch_norm_backward(const T* x, const T* g, const double* mu, const T* rstd, const T* dy, T* dx, T* dg, T* db,
-                         std::int64_t R, std::int64_t C, bool training) {
+                         std::int64_t R, std::int64_t C, bool training, bool acc_dx) {
   // sums per channel: [0, C) sum dy xhat, [C, 2C) sum dy
   const std::vector<double> tot = rows_with_partials(R, 2 * C, R * C, [&](std::int64_t r, double* acc) {
     const T* xr = x + r * C;
@@ -233,25 +238,26 @@ void batch_norm_backward(const T* x, const T* g, const double* mu, const T* rstd
       acc[C + c] += gr[c];
     }
   });
-  if (dx) {
+  if (dx) with_acc(acc_dx, [&](auto A) {
     const double invR = 1.0 / static_cast<double>(R);
-    TG_PARALLEL_FOR(R * C)
-    for (std::int64_t r = 0; r < R; ++r) {
-      const T* xr = x + r * C;
-      const T* gr = dy + r * C;
-      T* dr = dx + r * C;
-      for (std::int64_t c = 0; c < C; ++c) {
-        const double gc = g ? static_cast<double>(g[c]) : 1.0;
-        if (!training) {
-          dr[c] += static_cast<T>(gc * rstd[c] * gr[c]);
-          continue;
+    parallel_for(R, R * C, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t r = lo; r < hi; ++r) {
+        const T* xr = x + r * C;
+        const T* gr = dy + r * C;
+        T* dr = dx + r * C;
+        for (std::int64_t c = 0; c < C; ++c) {
+          const double gc = g ? static_cast<double>(g[c]) : 1.0;
+          if (!training) {
+            put<decltype(A)>(dr[c], static_cast<T>(gc * rstd[c] * gr[c]));
+            continue;
+          }
+          const double xh = (xr[c] - mu[c]) * rstd[c];
+          // sum(dxhat) = g_c sum(dy), sum(dxhat xhat) = g_c sum(dy xhat)
+          put<decltype(A)>(dr[c], static_cast<T>(gc * rstd[c] * (gr[c] - invR * (tot[static_cast<std::size_t>(C + c)] + xh * tot[static_cast<std::size_t>(c)]))));
         }
-        const double xh = (xr[c] - mu[c]) * rstd[c];
-        // sum(dxhat) = g_c sum(dy), sum(dxhat xhat) = g_c sum(dy xhat)
-        dr[c] += static_cast<T>(gc * rstd[c] * (gr[c] - invR * (tot[static_cast<std::size_t>(C + c)] + xh * tot[static_cast<std::size_t>(c)])));
       }
-    }
-  }
+    });
+  });
   add_param_grads(tot, C, dg, db);
 }
 
@@ -259,31 +265,35 @@ void batch_norm_backward(const T* x, const T* g, const double* mu, const T* rstd
 // Weight normalisation (Salimans & Kingma 2016) of each row i of v (rows, n): w_i = g_i v_i / |v_i|.
 template <class T>
 void weight_norm_forward(const T* v, const T* g, T* w, T* norm, std::int64_t rows, std::int64_t n) {
-  TG_PARALLEL_FOR(rows * n)
-  for (std::int64_t i = 0; i < rows; ++i) {
-    const T* vi = v + i * n;
-    double s = 0;
-    for (std::int64_t j = 0; j < n; ++j) s += static_cast<double>(vi[j]) * vi[j];
-    const double nm = std::sqrt(s);
-    norm[i] = static_cast<T>(nm);
-    for (std::int64_t j = 0; j < n; ++j) w[i * n + j] = static_cast<T>(g[i] * vi[j] / nm);
-  }
+  parallel_for(rows, rows * n, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t i = lo; i < hi; ++i) {
+      const T* vi = v + i * n;
+      double s = 0;
+      for (std::int64_t j = 0; j < n; ++j) s += static_cast<double>(vi[j]) * vi[j];
+      const double nm = std::sqrt(s);
+      norm[i] = static_cast<T>(nm);
+      for (std::int64_t j = 0; j < n; ++j) w[i * n + j] = static_cast<T>(g[i] * vi[j] / nm);
+    }
+  });
 }
 // With s_i = sum_j dw_ij v_ij:  dg_i += s_i / |v_i|;  dv_ij += g_i / |v_i| (dw_ij - v_ij s_i / |v_i|^2).
 template <class T>
 void weight_norm_backward(const T* v, const T* g, const T* norm, const T* dw, T* dv, T* dg, std::int64_t rows,
-                          std::int64_t n) {
-  TG_PARALLEL_FOR(rows * n)
-  for (std::int64_t i = 0; i < rows; ++i) {
-    const T* vi = v + i * n;
-    const T* di = dw + i * n;
-    double s = 0;
-    for (std::int64_t j = 0; j < n; ++j) s += static_cast<double>(di[j]) * vi[j];
-    const double nm = norm[i];
-    if (dg) dg[i] += static_cast<T>(s / nm);
-    if (dv)
-      for (std::int64_t j = 0; j < n; ++j) dv[i * n + j] += static_cast<T>(g[i] / nm * (di[j] - vi[j] * s / (nm * nm)));
-  }
+                          std::int64_t n, bool acc_dv) {
+  with_acc(acc_dv, [&](auto A) {
+  parallel_for(rows, rows * n, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t i = lo; i < hi; ++i) {
+      const T* vi = v + i * n;
+      const T* di = dw + i * n;
+      double s = 0;
+      for (std::int64_t j = 0; j < n; ++j) s += static_cast<double>(di[j]) * vi[j];
+      const double nm = norm[i];
+      if (dg) dg[i] += static_cast<T>(s / nm);
+      if (dv)
+        for (std::int64_t j = 0; j < n; ++j) put<decltype(A)>(dv[i * n + j], static_cast<T>(g[i] / nm * (di[j] - vi[j] * s / (nm * nm))));
+    }
+  });
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -292,38 +302,44 @@ void weight_norm_backward(const T* v, const T* g, const T* norm, const T* dw, T*
 // One pass replaces scale + masked_fill(-inf) + softmax.
 template <class T>
 void causal_softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t Tn, double scale) {
-  TG_PARALLEL_FOR(rows * Tn)
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int64_t i = r % Tn;
-    const T* xr = x + r * Tn;
-    T* yr = y + r * Tn;
-    const T sc = static_cast<T>(scale);
-    T m = -std::numeric_limits<T>::infinity();
-    for (std::int64_t j = 0; j <= i; ++j) m = sc * xr[j] > m ? sc * xr[j] : m;
-    double s = 0;
-    for (std::int64_t j = 0; j <= i; ++j) {
-      const T e = fast_exp(sc * xr[j] - m);
-      yr[j] = e;
-      s += e;
+  parallel_for(rows, rows * Tn, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = lo; r < hi; ++r) {
+      const std::int64_t i = r % Tn;
+      const T* xr = x + r * Tn;
+      T* yr = y + r * Tn;
+      const T sc = static_cast<T>(scale);
+      T m = -std::numeric_limits<T>::infinity();
+      for (std::int64_t j = 0; j <= i; ++j) m = sc * xr[j] > m ? sc * xr[j] : m;
+      double s = 0;
+      for (std::int64_t j = 0; j <= i; ++j) {
+        const T e = fast_exp(sc * xr[j] - m);
+        yr[j] = e;
+        s += e;
+      }
+      const double inv = 1.0 / s;
+      for (std::int64_t j = 0; j <= i; ++j) yr[j] = static_cast<T>(yr[j] * inv);
+      for (std::int64_t j = i + 1; j < Tn; ++j) yr[j] = T(0);
     }
-    const double inv = 1.0 / s;
-    for (std::int64_t j = 0; j <= i; ++j) yr[j] = static_cast<T>(yr[j] * inv);
-    for (std::int64_t j = i + 1; j < Tn; ++j) yr[j] = T(0);
-  }
+  });
 }
 // dx_j = s y_j (dy_j - sum_j' dy_j' y_j')   (zero where masked, since y_j = 0 there)
 template <class T>
-void causal_softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::int64_t Tn, double scale) {
-  TG_PARALLEL_FOR(rows * Tn)
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int64_t i = r % Tn;
-    const T* yr = y + r * Tn;
-    const T* gr = dy + r * Tn;
-    T* dr = dx + r * Tn;
-    double dot = 0;
-    for (std::int64_t j = 0; j <= i; ++j) dot += static_cast<double>(gr[j]) * yr[j];
-    for (std::int64_t j = 0; j <= i; ++j) dr[j] += static_cast<T>(scale * yr[j] * (gr[j] - dot));
-  }
+void causal_softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::int64_t Tn, double scale, bool acc) {
+  with_acc(acc, [&](auto A) {
+  parallel_for(rows, rows * Tn, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = lo; r < hi; ++r) {
+      const std::int64_t i = r % Tn;
+      const T* yr = y + r * Tn;
+      const T* gr = dy + r * Tn;
+      T* dr = dx + r * Tn;
+      double dot = 0;
+      for (std::int64_t j = 0; j <= i; ++j) dot += static_cast<double>(gr[j]) * yr[j];
+      for (std::int64_t j = 0; j <= i; ++j) put<decltype(A)>(dr[j], static_cast<T>(scale * yr[j] * (gr[j] - dot)));
+      if constexpr (!decltype(A)::value)
+        for (std::int64_t j = i + 1; j < Tn; ++j) dr[j] = T(0);  // masked: no gradient
+    }
+  });
+  });
 }
 
 }  // namespace tg::kernels

@@ -1,12 +1,77 @@
 #pragma once
+// Parallel loops over OpenMP that cost nothing when the work is small.
+//
 // OpenMP only pays off above a few tens of thousands of elements: below that, waking the team
-// costs more than the loop. Every parallel loop in the kernels goes through this threshold.
+// costs more than the loop. And the work test must sit outside the pragma: libgomp enters a
+// `#pragma omp parallel if (false)` region through GOMP_parallel all the same (a team of one is
+// made and torn down), about 0.7 us per call, which at four elements per op is most of the cost
+// of a recorded op. So every parallel loop goes through parallel_for / parallel_region, which
+// test the threshold first and call the body directly when it is not met.
+//
+// The split is static (thread t of nt gets [n t / nt, n (t + 1) / nt)), so a kernel that keeps
+// per-thread partial sums gives the same bits on every run with the same thread count.
+#include <omp.h>
+
 #include <cstdint>
+#include <type_traits>
+#include <vector>
+
+// A pragma from a macro argument (e.g. TG_PRAGMA(omp simd reduction(+ : s)) inside a kernel).
+#define TG_PRAGMA(x) _Pragma(#x)
 
 namespace tg::kernels {
-inline constexpr std::int64_t kParallelMin = 1 << 15;  // elements (or row * cols) of work
-}  // namespace tg::kernels
 
-#define TG_PRAGMA(x) _Pragma(#x)
-// Parallel for over a loop whose total work is `work` elements; serial when it is small.
-#define TG_PARALLEL_FOR(work) TG_PRAGMA(omp parallel for schedule(static) if ((work) >= ::tg::kernels::kParallelMin))
+inline constexpr std::int64_t kParallelMin = 1 << 15;  // elements (or rows * cols) of work
+
+// True when a loop with this much work should use the OpenMP team.
+inline bool worth_parallel(std::int64_t work) {
+  return work >= kParallelMin && omp_get_max_threads() > 1 && !omp_in_parallel();
+}
+
+// Thread t's share of [0, n) when split into nt contiguous ranges.
+inline std::int64_t chunk_begin(std::int64_t n, int t, int nt) { return n * t / nt; }
+
+// body(lo, hi) over contiguous ranges covering [0, n): one range per thread when `work` (elements
+// touched) is large enough, else body(0, n) on the calling thread.
+template <class F>
+void parallel_for(std::int64_t n, std::int64_t work, F&& body) {
+  if (n <= 0) return;
+  if (n == 1 || !worth_parallel(work)) {
+    body(std::int64_t{0}, n);
+    return;
+  }
+#pragma omp parallel
+  {
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const std::int64_t lo = chunk_begin(n, t, nt), hi = chunk_begin(n, t + 1, nt);
+    if (lo < hi) body(lo, hi);
+  }
+}
+
+// body(t, nt) on every thread of a team of nt (nt = 1 and no team when `work` is small).
+template <class F>
+void parallel_region(std::int64_t work, F&& body) {
+  if (!worth_parallel(work)) {
+    body(0, 1);
+    return;
+  }
+#pragma omp parallel
+  body(omp_get_thread_num(), omp_get_num_threads());
+}
+
+// ---- writing gradients ----
+// A backward kernel either overwrites a fresh gradient buffer or adds into one that already holds
+// another path's contribution (Node::grad_dest). with_acc turns the runtime flag into a compile-time
+// one so each variant is its own plain, vectorisable loop; put<A> is the store.
+template <class F>
+void with_acc(bool acc, F&& f) {
+  if (acc) f(std::true_type{});
+  else f(std::false_type{});
+}
+template <class A, class T>
+inline void put(T& d, T v) {
+  if constexpr (A::value) d += v;
+  else d = v;
+}
+
+}  // namespace tg::kernels

@@ -20,11 +20,12 @@ template <class F>
 void for_reduce_blocks(std::int64_t O, std::int64_t R, std::int64_t I, F&& body) {
   const std::int64_t nb = (I + kReduceBlock - 1) / kReduceBlock;
   const std::int64_t total = O * nb;
-  TG_PARALLEL_FOR(O * R * I)
-  for (std::int64_t t = 0; t < total; ++t) {
-    const std::int64_t o = t / nb, b = t % nb;
-    body(o, b * kReduceBlock, std::min(I, (b + 1) * kReduceBlock));
-  }
+  parallel_for(total, O * R * I, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t t = lo; t < hi; ++t) {
+      const std::int64_t o = t / nb, b = t % nb;
+      body(o, b * kReduceBlock, std::min(I, (b + 1) * kReduceBlock));
+    }
+  });
 }
 
 // y[o, i] = scale * sum_r x[o, r, i]   (scale = 1 for sum, 1/R for mean)

@@ -10,68 +10,78 @@
 
 namespace tg::kernels {
 
+inline constexpr int kMaxPartials = 256;  // per-thread partial sums kept by a reduction
+
 // y = exp(x - max) / sum exp(x - max). A row that is entirely -inf (fully masked) gives NaN, as in PyTorch.
 template <class T>
 void softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t C) {
-  TG_PARALLEL_FOR(rows * C)
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * C;
-    T* yr = y + r * C;
-    T mx = -std::numeric_limits<T>::infinity();
-    for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
-    double s = 0;
-    for (std::int64_t c = 0; c < C; ++c) {
-      yr[c] = fast_exp(xr[c] - mx);
-      s += yr[c];
+  parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = lo; r < hi; ++r) {
+      const T* xr = x + r * C;
+      T* yr = y + r * C;
+      T mx = -std::numeric_limits<T>::infinity();
+      for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
+      double s = 0;
+      for (std::int64_t c = 0; c < C; ++c) {
+        yr[c] = fast_exp(xr[c] - mx);
+        s += yr[c];
+      }
+      const T inv = static_cast<T>(1.0 / s);
+      for (std::int64_t c = 0; c < C; ++c) yr[c] *= inv;
     }
-    const T inv = static_cast<T>(1.0 / s);
-    for (std::int64_t c = 0; c < C; ++c) yr[c] *= inv;
-  }
+  });
 }
 // dx = y * (dy - sum_c dy_c y_c)
 template <class T>
-void softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::int64_t C) {
-  TG_PARALLEL_FOR(rows * C)
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const T* yr = y + r * C;
-    const T* gr = dy + r * C;
-    T* dr = dx + r * C;
-    double dot = 0;
-    for (std::int64_t c = 0; c < C; ++c) dot += static_cast<double>(gr[c]) * yr[c];
-    for (std::int64_t c = 0; c < C; ++c) dr[c] += yr[c] * (gr[c] - static_cast<T>(dot));
-  }
+void softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::int64_t C, bool acc) {
+  with_acc(acc, [&](auto A) {
+  parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = lo; r < hi; ++r) {
+      const T* yr = y + r * C;
+      const T* gr = dy + r * C;
+      T* dr = dx + r * C;
+      double dot = 0;
+      for (std::int64_t c = 0; c < C; ++c) dot += static_cast<double>(gr[c]) * yr[c];
+      for (std::int64_t c = 0; c < C; ++c) put<decltype(A)>(dr[c], yr[c] * (gr[c] - static_cast<T>(dot)));
+    }
+  });
+  });
 }
 
 // y = x - max - log sum exp(x - max)
 template <class T>
 void log_softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t C) {
-  TG_PARALLEL_FOR(rows * C)
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * C;
-    T* yr = y + r * C;
-    T mx = -std::numeric_limits<T>::infinity();
-    for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
-    double s = 0;
-    for (std::int64_t c = 0; c < C; ++c) s += fast_exp(xr[c] - mx);
-    // (x - max) - log(s), not x - (max + log(s)): x - max is exact (Sterbenz) and log(s) is
-    // small, whereas rounding max + log(s) to T first loses log(s)'s low digits when |max| is
-    // large (float32 logits near 1000 gave log-probabilities off by ~2e-5).
-    const T logs = static_cast<T>(std::log(s));
-    for (std::int64_t c = 0; c < C; ++c) yr[c] = (xr[c] - mx) - logs;
-  }
+  parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = lo; r < hi; ++r) {
+      const T* xr = x + r * C;
+      T* yr = y + r * C;
+      T mx = -std::numeric_limits<T>::infinity();
+      for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
+      double s = 0;
+      for (std::int64_t c = 0; c < C; ++c) s += fast_exp(xr[c] - mx);
+      // (x - max) - log(s), not x - (max + log(s)): x - max is exact (Sterbenz) and log(s) is
+      // small, whereas rounding max + log(s) to T first loses log(s)'s low digits when |max| is
+      // large (float32 logits near 1000 gave log-probabilities off by ~2e-5).
+      const T logs = static_cast<T>(std::log(s));
+      for (std::int64_t c = 0; c < C; ++c) yr[c] = (xr[c] - mx) - logs;
+    }
+  });
 }
 // dx = dy - exp(y) * sum_c dy_c
 template <class T>
-void log_softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::int64_t C) {
-  TG_PARALLEL_FOR(rows * C)
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const T* yr = y + r * C;
-    const T* gr = dy + r * C;
-    T* dr = dx + r * C;
-    double s = 0;
-    for (std::int64_t c = 0; c < C; ++c) s += gr[c];
-    for (std::int64_t c = 0; c < C; ++c) dr[c] += gr[c] - fast_exp(yr[c]) * static_cast<T>(s);
-  }
+void log_softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::int64_t C, bool acc) {
+  with_acc(acc, [&](auto A) {
+  parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = lo; r < hi; ++r) {
+      const T* yr = y + r * C;
+      const T* gr = dy + r * C;
+      T* dr = dx + r * C;
+      double s = 0;
+      for (std::int64_t c = 0; c < C; ++c) s += gr[c];
+      for (std::int64_t c = 0; c < C; ++c) put<decltype(A)>(dr[c], gr[c] - fast_exp(yr[c]) * static_cast<T>(s));
+    }
+  });
+  });
 }
 
 // Cross-entropy, fused: loss_r = logsumexp(x_r) - x_r[t_r] for rows whose target is not ignored;
@@ -79,32 +89,46 @@ void log_softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std
 template <class T>
 double cross_entropy_forward(const T* x, const std::int32_t* t, T* lse, std::int64_t rows, std::int64_t C,
                              std::int64_t ignore_index) {
+  // Per-thread partial sums added in thread order (not an OpenMP reduction, whose combining order
+  // is unspecified): the same loss bits on every run with the same thread count.
+  double part[kMaxPartials] = {};
+  parallel_region(rows * C, [&](int th, int nt) {
+    double total = 0;
+    for (std::int64_t r = chunk_begin(rows, th, nt); r < chunk_begin(rows, th + 1, nt); ++r) {
+      const T* xr = x + r * C;
+      T mx = -std::numeric_limits<T>::infinity();
+      for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
+      double s = 0;
+      for (std::int64_t c = 0; c < C; ++c) s += fast_exp(xr[c] - mx);
+      const double l = mx + std::log(s);
+      lse[r] = static_cast<T>(l);
+      if (t[r] != ignore_index) total += l - xr[t[r]];
+    }
+    part[th % kMaxPartials] += total;  // teams are far smaller than kMaxPartials
+  });
   double total = 0;
-  TG_PRAGMA(omp parallel for reduction(+ : total) schedule(static) if (rows * C >= kParallelMin))
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * C;
-    T mx = -std::numeric_limits<T>::infinity();
-    for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
-    double s = 0;
-    for (std::int64_t c = 0; c < C; ++c) s += fast_exp(xr[c] - mx);
-    const double l = mx + std::log(s);
-    lse[r] = static_cast<T>(l);
-    if (t[r] != ignore_index) total += l - xr[t[r]];
-  }
+  for (double v : part) total += v;
   return total;
 }
 // dx_r = (softmax(x_r) - onehot(t_r)) * scale for non-ignored rows; scale = dloss / count.
 template <class T>
 void cross_entropy_backward(const T* x, const std::int32_t* t, const T* lse, T scale, T* dx, std::int64_t rows,
-                            std::int64_t C, std::int64_t ignore_index) {
-  TG_PARALLEL_FOR(rows * C)
-  for (std::int64_t r = 0; r < rows; ++r) {
-    if (t[r] == ignore_index) continue;
-    const T* xr = x + r * C;
-    T* dr = dx + r * C;
-    for (std::int64_t c = 0; c < C; ++c) dr[c] += scale * fast_exp(xr[c] - lse[r]);
-    dr[t[r]] -= scale;
-  }
+                            std::int64_t C, std::int64_t ignore_index, bool acc) {
+  with_acc(acc, [&](auto A) {
+    parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t r = lo; r < hi; ++r) {
+        T* dr = dx + r * C;
+        if (t[r] == ignore_index) {
+          if constexpr (!decltype(A)::value)
+            for (std::int64_t c = 0; c < C; ++c) dr[c] = T(0);
+          continue;
+        }
+        const T* xr = x + r * C;
+        for (std::int64_t c = 0; c < C; ++c) put<decltype(A)>(dr[c], scale * fast_exp(xr[c] - lse[r]));
+        dr[t[r]] -= scale;
+      }
+    });
+  });
 }
 
 }  // namespace tg::kernels

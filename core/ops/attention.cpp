@@ -28,8 +28,9 @@ Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
         [B, Tn, C, H, scale](Node& n) {
           detail::dispatch_float("causal_attention", n.grad_out().dtype(), [&](auto z) {
             using T = decltype(z);
+            GradDest dqkv = n.grad_dest(0);
             kernels::attention_backward(n.saved[0].data<T>(), n.saved[1].data<T>(), n.grad_out().data<T>(),
-                                        n.grad_in(0).data<T>(), B, Tn, C, H, scale);
+                                        dqkv.ptr<T>(), B, Tn, C, H, scale, dqkv.acc);
           });
         },
         {qkv.detach(), P});

@@ -53,32 +53,69 @@ const T* ptr_or_null(const Tensor& t) { return t.defined() ? t.data<T>() : nullp
 template <class T>
 T* mut_ptr_or_null(Tensor t) { return t.defined() ? t.data<T>() : nullptr; }
 
+// L when r is one row of out's trailing dims (any leading dims 1), so that out is (M, L) with r
+// repeated over M; 0 otherwise.
+std::int64_t row_len(const Shape& out, const Shape& r) {
+  const int off = out.ndim() - r.ndim();
+  int k = 0;
+  while (k < r.ndim() && r[k] == 1) ++k;
+  for (int d = k; d < r.ndim(); ++d)
+    if (r[d] != out[d + off]) return 0;
+  return r.numel();
+}
+
 template <class Op>
 Tensor binary(const char* name, const Tensor& a, const Tensor& b) {
   detail::check_float(name, a);
   detail::check_float(name, b);
   detail::check_same_dtype(name, a, b);
   const Shape out = broadcast_shapes(name, a.shape(), b.shape());
-  const bool same = a.shape() == b.shape();
-  const BroadcastPlan plan = same ? BroadcastPlan{} : make_plan(out, a.shape(), b.shape());
+  // Three layouts: same shape; a row (bias, position table) repeated over the rows of the other;
+  // general broadcasting (serial, index arithmetic).
+  enum class Kind { same, rows, general } kind = Kind::general;
+  bool row_is_b = false;
+  std::int64_t L = 0;
+  if (a.shape() == b.shape()) {
+    kind = Kind::same;
+  } else if (a.shape() == out || b.shape() == out) {
+    row_is_b = a.shape() == out;
+    L = row_is_b ? row_len(out, b.shape()) : row_len(out, a.shape());
+    if (L > 0) kind = Kind::rows;
+  }
+  const BroadcastPlan plan = kind == Kind::general ? make_plan(out, a.shape(), b.shape()) : BroadcastPlan{};
+  const std::int64_t M = L > 0 ? out.numel() / L : 0;
   Tensor y = Tensor::empty(out, a.dtype());
   dispatch_float(name, a.dtype(), [&](auto z) {
     using T = decltype(z);
-    if (same) binary_forward_same<T, Op>(a.data<T>(), b.data<T>(), y.data<T>(), y.numel());
-    else binary_forward_broadcast<T, Op>(plan, a.data<T>(), b.data<T>(), y.data<T>());
+    switch (kind) {
+      case Kind::same: binary_forward_same<T, Op>(a.data<T>(), b.data<T>(), y.data<T>(), y.numel()); break;
+      case Kind::rows: binary_forward_rows<T, Op>(a.data<T>(), b.data<T>(), y.data<T>(), M, L, row_is_b); break;
+      case Kind::general: binary_forward_broadcast<T, Op>(plan, a.data<T>(), b.data<T>(), y.data<T>()); break;
+    }
   });
   if (should_record({&a, &b})) {
     record(
         name, {&a, &b}, {&y},
-        [same, plan](Node& n) {
+        [kind, plan, M, L, row_is_b](Node& n) {
           const Tensor& dy = n.grad_out();
-          Tensor da = n.grad_in(0), db = n.grad_in(1);
           dispatch_float("backward", dy.dtype(), [&](auto z) {
             using T = decltype(z);
             const T* ap = ptr_or_null<T>(n.saved[0]);
             const T* bp = ptr_or_null<T>(n.saved[1]);
-            if (same) binary_backward_same<T, Op>(ap, bp, dy.data<T>(), mut_ptr_or_null<T>(da), mut_ptr_or_null<T>(db), dy.numel());
-            else binary_backward_broadcast<T, Op>(plan, ap, bp, dy.data<T>(), mut_ptr_or_null<T>(da), mut_ptr_or_null<T>(db));
+            if (kind == Kind::same) {
+              GradDest da = n.grad_dest(0), db = n.grad_dest(1);
+              binary_backward_same<T, Op>(ap, bp, dy.data<T>(), da.ptr<T>(), db.ptr<T>(), dy.numel(), da.acc, db.acc);
+            } else if (kind == Kind::rows) {
+              // The full operand's gradient is written everywhere; the row's is a sum (accumulated).
+              GradDest full = n.grad_dest(row_is_b ? 0 : 1);
+              Tensor row = n.grad_in(row_is_b ? 1 : 0);
+              T* da = row_is_b ? full.ptr<T>() : mut_ptr_or_null<T>(row);
+              T* db = row_is_b ? mut_ptr_or_null<T>(row) : full.ptr<T>();
+              binary_backward_rows<T, Op>(ap, bp, dy.data<T>(), da, db, M, L, row_is_b, full.acc);
+            } else {
+              Tensor da = n.grad_in(0), db = n.grad_in(1);
+              binary_backward_broadcast<T, Op>(plan, ap, bp, dy.data<T>(), mut_ptr_or_null<T>(da), mut_ptr_or_null<T>(db));
+            }
           });
         },
         {Op::kNeedA ? a.detach() : Tensor(), Op::kNeedB ? b.detach() : Tensor()});
@@ -99,10 +136,11 @@ Tensor unary(const char* name, const Tensor& x, Op op) {
         name, {&x}, {&y},
         [op](Node& n) {
           const Tensor& dy = n.grad_out();
-          Tensor dx = n.grad_in(0);
+          GradDest dx = n.grad_dest(0);
           dispatch_float("backward", dy.dtype(), [&](auto z) {
             using T = decltype(z);
-            unary_backward<T>(ptr_or_null<T>(n.saved[0]), ptr_or_null<T>(n.saved[1]), dy.data<T>(), dx.data<T>(), dy.numel(), op);
+            unary_backward<T>(ptr_or_null<T>(n.saved[0]), ptr_or_null<T>(n.saved[1]), dy.data<T>(), dx.ptr<T>(), dy.numel(), op,
+                              dx.acc);
           });
         },
         {Op::kX ? x.detach() : Tensor(), Op::kY ? y.detach() : Tensor()});

@@ -4,8 +4,8 @@
 //   d op(A) = dC op(B)^T,   d op(B) = op(A)^T dC,
 // and when A itself is stored transposed (trans_a) the gradient of the stored matrix is the
 // transpose of d op(A) — which gemm computes directly by swapping operands and flags, so no
-// transposed copy is ever made. beta = 1 makes every gemm accumulate into the gradient buffers,
-// which also sums the contributions of broadcast batch entries.
+// transposed copy is ever made. A fresh gradient is written with beta = 0; beta = 1 adds into one
+// that holds another path's part, and sums the contributions of broadcast batch entries.
 #include <algorithm>
 
 #include "dispatch.h"
@@ -82,8 +82,9 @@ MatmulPlan plan_matmul(const Tensor& a, const Tensor& b, bool ta, bool tb, Shape
 template <class F>
 void for_batch(std::int64_t batch, std::int64_t flops_each, bool distinct, F&& f) {
   const bool par = distinct && batch > 1 && flops_each < (1 << 21);
-  TG_PRAGMA(omp parallel for schedule(static) if (par))
-  for (std::int64_t i = 0; i < batch; ++i) f(i);
+  kernels::parallel_for(batch, par ? batch * flops_each : 0, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t i = lo; i < hi; ++i) f(i);
+  });
 }
 
 bool is_distinct(const std::vector<std::int64_t>& idx) {
@@ -125,43 +126,52 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
         "matmul", {&a, &b}, {&y},
         [p, lda, ldb, sa, sb, sc](Node& n) {
           const Tensor& dC = n.grad_out();
-          Tensor dA = n.grad_in(0), dB = n.grad_in(1);
+          if (p.M * p.N * p.K == 0) {  // empty products: the gradients are zeros (or empty)
+            n.grad_in(0);
+            n.grad_in(1);
+            return;
+          }
+          // A gradient buffer whose every element one gemm writes takes beta = 0 when fresh; where
+          // broadcast batch entries share a destination, the gemms must add (zero-filled, beta = 1).
+          const bool whole_a = p.fold || is_distinct(p.ia), whole_b = p.fold || is_distinct(p.ib);
+          GradDest dA = whole_a ? n.grad_dest(0) : GradDest{n.grad_in(0), true};
+          GradDest dB = whole_b ? n.grad_dest(1) : GradDest{n.grad_in(1), true};
           dispatch_float("matmul", dC.dtype(), [&](auto z) {
             using T = decltype(z);
             const T* A = n.saved[0].data<T>();
             const T* B = n.saved[1].data<T>();
             const T* G = dC.data<T>();
             const bool ta = p.ta, tb = p.tb;
-            if (p.M * p.N * p.K == 0) return;
+            const T beta_a = dA.acc ? T(1) : T(0), beta_b = dB.acc ? T(1) : T(0);
             if (p.fold) {
               const std::int64_t BM = p.batch * p.M;
-              // dA (BM, K) += dC (BM, N) op(B)^T
-              if (dA.defined()) gemm<T>(false, !tb, BM, p.K, p.N, T(1), G, p.N, B, ldb, T(1), dA.data<T>(), lda);
-              // dB += A^T dC  (B stored (K, N)),  or  dC^T A  (B stored (N, K))
+              // dA (BM, K) (+)= dC (BM, N) op(B)^T
+              if (dA.defined()) gemm<T>(false, !tb, BM, p.K, p.N, T(1), G, p.N, B, ldb, beta_a, dA.ptr<T>(), lda);
+              // dB (+)= A^T dC  (B stored (K, N)),  or  dC^T A  (B stored (N, K))
               if (dB.defined()) {
-                if (!tb) gemm<T>(true, false, p.K, p.N, BM, T(1), A, lda, G, p.N, T(1), dB.data<T>(), ldb);
-                else gemm<T>(true, false, p.N, p.K, BM, T(1), G, p.N, A, lda, T(1), dB.data<T>(), ldb);
+                if (!tb) gemm<T>(true, false, p.K, p.N, BM, T(1), A, lda, G, p.N, beta_b, dB.ptr<T>(), ldb);
+                else gemm<T>(true, false, p.N, p.K, BM, T(1), G, p.N, A, lda, beta_b, dB.ptr<T>(), ldb);
               }
               return;
             }
             if (dA.defined()) {
-              T* D = dA.data<T>();
+              T* D = dA.ptr<T>();
               for_batch(p.batch, p.M * p.N * p.K, is_distinct(p.ia), [&](std::int64_t i) {
                 const T* Bi = B + p.ib[i] * sb;
                 const T* Gi = G + i * sc;
                 T* Di = D + p.ia[i] * sa;
-                if (!ta) gemm<T>(false, !tb, p.M, p.K, p.N, T(1), Gi, p.N, Bi, ldb, T(1), Di, lda);  // dC op(B)^T
-                else gemm<T>(tb, true, p.K, p.M, p.N, T(1), Bi, ldb, Gi, p.N, T(1), Di, lda);        // op(B) dC^T
+                if (!ta) gemm<T>(false, !tb, p.M, p.K, p.N, T(1), Gi, p.N, Bi, ldb, beta_a, Di, lda);  // dC op(B)^T
+                else gemm<T>(tb, true, p.K, p.M, p.N, T(1), Bi, ldb, Gi, p.N, beta_a, Di, lda);        // op(B) dC^T
               });
             }
             if (dB.defined()) {
-              T* D = dB.data<T>();
+              T* D = dB.ptr<T>();
               for_batch(p.batch, p.M * p.N * p.K, is_distinct(p.ib), [&](std::int64_t i) {
                 const T* Ai = A + p.ia[i] * sa;
                 const T* Gi = G + i * sc;
                 T* Di = D + p.ib[i] * sb;
-                if (!tb) gemm<T>(!ta, false, p.K, p.N, p.M, T(1), Ai, lda, Gi, p.N, T(1), Di, ldb);  // op(A)^T dC
-                else gemm<T>(true, ta, p.N, p.K, p.M, T(1), Gi, p.N, Ai, lda, T(1), Di, ldb);        // dC^T op(A)
+                if (!tb) gemm<T>(!ta, false, p.K, p.N, p.M, T(1), Ai, lda, Gi, p.N, beta_b, Di, ldb);  // op(A)^T dC
+                else gemm<T>(true, ta, p.N, p.K, p.M, T(1), Gi, p.N, Ai, lda, beta_b, Di, ldb);        // dC^T op(A)
               });
             }
           });

@@ -36,11 +36,11 @@ Tensor softmax_impl(const char* op, const Tensor& x, int axis) {
     record(
         op, {&x}, {&y},
         [rows, C](Node& n) {
-          Tensor dx = n.grad_in(0);
-          dispatch_float("softmax", dx.dtype(), [&](auto z) {
+          GradDest dx = n.grad_dest(0);
+          dispatch_float("softmax", dx.buf.dtype(), [&](auto z) {
             using T = decltype(z);
-            if constexpr (Log) log_softmax_backward(n.saved[0].data<T>(), n.grad_out().data<T>(), dx.data<T>(), rows, C);
-            else softmax_backward(n.saved[0].data<T>(), n.grad_out().data<T>(), dx.data<T>(), rows, C);
+            if constexpr (Log) log_softmax_backward(n.saved[0].data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, C, dx.acc);
+            else softmax_backward(n.saved[0].data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, C, dx.acc);
           });
         },
         {y.detach()});
@@ -84,22 +84,25 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
     const T* xp = x.data<T>();
     T* yp = y.data<T>();
     const T v = static_cast<T>(value);
-    TG_PARALLEL_FOR(n)
-    for (std::int64_t i = 0; i < n; ++i) yp[i] = mp[i] ? v : xp[i];
+    kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t i = lo; i < hi; ++i) yp[i] = mp[i] ? v : xp[i];
+    });
   });
   if (should_record({&x}))
     record(
         "masked_fill", {&x}, {&y},
         [n](Node& n_) {
-          Tensor dx = n_.grad_in(0);
+          GradDest dx = n_.grad_dest(0);
           const std::int32_t* mk = n_.saved[0].data<std::int32_t>();
-          dispatch_float("masked_fill", dx.dtype(), [&](auto z) {
+          dispatch_float("masked_fill", dx.buf.dtype(), [&](auto z) {
             using T = decltype(z);
             const T* g = n_.grad_out().data<T>();
-            T* d = dx.data<T>();
-            TG_PARALLEL_FOR(n)
-            for (std::int64_t i = 0; i < n; ++i)
-              if (!mk[i]) d[i] += g[i];
+            T* d = dx.ptr<T>();
+            kernels::with_acc(dx.acc, [&](auto A) {
+              kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+                for (std::int64_t i = lo; i < hi; ++i) kernels::put<decltype(A)>(d[i], mk[i] ? T(0) : g[i]);
+              });
+            });
           });
         },
         {m});
@@ -176,12 +179,12 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, std::int64_t i
     record(
         op, {&logits, &targets}, {&y},
         [rows, V, count, ignore_index](Node& n) {
-          Tensor dx = n.grad_in(0);
-          dispatch_float("cross_entropy", dx.dtype(), [&](auto z) {
+          GradDest dx = n.grad_dest(0);
+          dispatch_float("cross_entropy", dx.buf.dtype(), [&](auto z) {
             using T = decltype(z);
             const T scale = n.grad_out().data<T>()[0] / static_cast<T>(count);
             cross_entropy_backward(n.saved[0].data<T>(), n.saved[1].data<std::int32_t>(), n.saved[2].data<T>(), scale,
-                                   dx.data<T>(), rows, V, ignore_index);
+                                   dx.ptr<T>(), rows, V, ignore_index, dx.acc);
           });
         },
         {logits.detach(), targets.detach(), lse});
@@ -203,24 +206,28 @@ Tensor dropout(const Tensor& x, double p, bool train) {
     T* m = mask.data<T>();
     const T* xp = x.data<T>();
     T* yp = y.data<T>();
-    TG_PARALLEL_FOR(n)
-    for (std::int64_t i = 0; i < n; ++i) {
-      m[i] = Generator::uniform(seed, base + static_cast<std::uint64_t>(i)) < p ? T(0) : static_cast<T>(keep_scale);
-      yp[i] = xp[i] * m[i];
-    }
+    kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t i = lo; i < hi; ++i) {
+        m[i] = Generator::uniform(seed, base + static_cast<std::uint64_t>(i)) < p ? T(0) : static_cast<T>(keep_scale);
+        yp[i] = xp[i] * m[i];
+      }
+    });
   });
   if (should_record({&x}))
     record(
         "dropout", {&x}, {&y},
         [n](Node& nd) {
-          Tensor dx = nd.grad_in(0);
-          dispatch_float("dropout", dx.dtype(), [&](auto z) {
+          GradDest dx = nd.grad_dest(0);
+          dispatch_float("dropout", dx.buf.dtype(), [&](auto z) {
             using T = decltype(z);
             const T* m = nd.saved[0].data<T>();
             const T* g = nd.grad_out().data<T>();
-            T* d = dx.data<T>();
-            TG_PARALLEL_FOR(n)
-            for (std::int64_t i = 0; i < n; ++i) d[i] += g[i] * m[i];
+            T* d = dx.ptr<T>();
+            kernels::with_acc(dx.acc, [&](auto A) {
+              kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+                for (std::int64_t i = lo; i < hi; ++i) kernels::put<decltype(A)>(d[i], g[i] * m[i]);
+              });
+            });
           });
         },
         {mask});

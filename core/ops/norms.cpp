@@ -65,9 +65,10 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
         [rows, C](Node& n) {
           dispatch_float("layer_norm", n.grad_out().dtype(), [&](auto z) {
             using T = decltype(z);
+            GradDest dx = n.grad_dest(0);
             layer_norm_backward(n.saved[0].data<T>(), opt_ptr<T>(n.saved[1]), n.saved[2].data<double>(), n.saved[3].data<T>(),
-                                n.grad_out().data<T>(), opt_mut<T>(n.grad_in(0)), opt_mut<T>(n.grad_in(1)),
-                                opt_mut<T>(n.grad_in(2)), rows, C);
+                                n.grad_out().data<T>(), dx.ptr<T>(), opt_mut<T>(n.grad_in(1)),
+                                opt_mut<T>(n.grad_in(2)), rows, C, dx.acc);
           });
         },
         {x.detach(), weight.defined() ? weight.detach() : Tensor(), mean, rstd});
@@ -91,8 +92,9 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, doubl
         [rows, C, k](Node& n) {
           dispatch_float("rms_norm", n.grad_out().dtype(), [&](auto z) {
             using T = decltype(z);
+            GradDest dx = n.grad_dest(0);
             rms_norm_backward(n.saved[0].data<T>(), opt_ptr<T>(n.saved[1]), n.saved[2].data<T>(), n.grad_out().data<T>(),
-                              opt_mut<T>(n.grad_in(0)), opt_mut<T>(n.grad_in(1)), opt_mut<T>(n.grad_in(2)), rows, C, k);
+                              dx.ptr<T>(), opt_mut<T>(n.grad_in(1)), opt_mut<T>(n.grad_in(2)), rows, C, k, dx.acc);
           });
         },
         {x.detach(), weight.defined() ? weight.detach() : Tensor(), rrms});
@@ -159,9 +161,10 @@ Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& run
         [R, C, batch_stats](Node& n) {
           dispatch_float("batch_norm", n.grad_out().dtype(), [&](auto z) {
             using T = decltype(z);
+            GradDest dx = n.grad_dest(0);
             batch_norm_backward(n.saved[0].data<T>(), opt_ptr<T>(n.saved[1]), n.saved[2].data<double>(),
-                                n.saved[3].data<T>(), n.grad_out().data<T>(), opt_mut<T>(n.grad_in(0)),
-                                opt_mut<T>(n.grad_in(1)), opt_mut<T>(n.grad_in(2)), R, C, batch_stats);
+                                n.saved[3].data<T>(), n.grad_out().data<T>(), dx.ptr<T>(),
+                                opt_mut<T>(n.grad_in(1)), opt_mut<T>(n.grad_in(2)), R, C, batch_stats, dx.acc);
           });
         },
         {x.detach(), weight.defined() ? weight.detach() : Tensor(), mean, rstd});
@@ -188,8 +191,9 @@ Tensor weight_norm(const Tensor& v, const Tensor& g) {
         [rows, n](Node& nd) {
           dispatch_float("weight_norm", nd.grad_out().dtype(), [&](auto z) {
             using T = decltype(z);
+            GradDest dv = nd.grad_dest(0);
             weight_norm_backward(nd.saved[0].data<T>(), nd.saved[1].data<T>(), nd.saved[2].data<T>(),
-                                 nd.grad_out().data<T>(), opt_mut<T>(nd.grad_in(0)), opt_mut<T>(nd.grad_in(1)), rows, n);
+                                 nd.grad_out().data<T>(), dv.ptr<T>(), opt_mut<T>(nd.grad_in(1)), rows, n, dv.acc);
           });
         },
         {v.detach(), g.detach(), norm});
@@ -213,7 +217,8 @@ Tensor scaled_causal_softmax(const Tensor& x, double scale) {
         [rows, Tn, scale](Node& n) {
           dispatch_float("scaled_causal_softmax", n.grad_out().dtype(), [&](auto z) {
             using T = decltype(z);
-            causal_softmax_backward(n.saved[0].data<T>(), n.grad_out().data<T>(), n.grad_in(0).data<T>(), rows, Tn, scale);
+            GradDest dx = n.grad_dest(0);
+            causal_softmax_backward(n.saved[0].data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, Tn, scale, dx.acc);
           });
         },
         {y.detach()});

@@ -47,15 +47,21 @@ std::vector<int> inverse_perm(const std::vector<int>& perm) {
 
 namespace {
 
-// dx += dy, same number of elements (reshape, clone, and the float casts' identity part).
-void accumulate_flat(const Tensor& dy, Tensor dx) {
-  dispatch_float("backward", dx.dtype(), [&](auto z) {
+// dx (+)= dy, same number of elements (reshape, clone, and the float casts' identity part): a
+// copy into a fresh gradient, an add into one that holds another path's part.
+void accumulate_flat(const Tensor& dy, GradDest dx) {
+  dispatch_float("backward", dx.buf.dtype(), [&](auto z) {
     using T = decltype(z);
     const T* g = dy.data<T>();
-    T* d = dx.data<T>();
-    const std::int64_t n = dx.numel();
-    TG_PARALLEL_FOR(n)
-    for (std::int64_t i = 0; i < n; ++i) d[i] += g[i];
+    T* d = dx.ptr<T>();
+    const std::int64_t n = dx.buf.numel();
+    if (!dx.acc) {
+      if (n) std::memcpy(d, g, static_cast<std::size_t>(n) * sizeof(T));
+      return;
+    }
+    kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t i = lo; i < hi; ++i) d[i] += g[i];
+    });
   });
 }
 
@@ -83,7 +89,7 @@ Tensor reshape(const Tensor& x, const Shape& shape) {
   if (s.numel() != x.numel()) fail("reshape", "cannot reshape ", x.shape(), " (", x.numel(), " elements) into ", shape);
   Tensor y = x.alias(s);
   if (should_record({&x}))
-    record("reshape", {&x}, {&y}, [](Node& n) { accumulate_flat(n.grad_out(), n.grad_in(0)); });
+    record("reshape", {&x}, {&y}, [](Node& n) { accumulate_flat(n.grad_out(), n.grad_dest(0)); });
   return y;
 }
 
@@ -92,7 +98,7 @@ Tensor clone(const Tensor& x) {
   Tensor y = Tensor::empty(x.shape(), x.dtype());
   if (x.nbytes()) std::memcpy(y.raw_data(), x.raw_data(), x.nbytes());
   if (should_record({&x}))
-    record("clone", {&x}, {&y}, [](Node& n) { accumulate_flat(n.grad_out(), n.grad_in(0)); });
+    record("clone", {&x}, {&y}, [](Node& n) { accumulate_flat(n.grad_out(), n.grad_dest(0)); });
   return y;
 }
 
@@ -279,8 +285,8 @@ Tensor to(const Tensor& x, DType dtype) {
   });
   if (is_floating(dtype) && should_record({&x}))
     record("to", {&x}, {&y}, [](Node& nd) {
-      Tensor dx = nd.grad_in(0);
-      accumulate_flat(to(nd.grad_out().detach(), dx.dtype()), dx);
+      GradDest dx = nd.grad_dest(0);
+      accumulate_flat(to(nd.grad_out().detach(), dx.buf.dtype()), dx);
     });
   return y;
 }

@@ -10,36 +10,100 @@
 // the tape is emptied. Nodes that nothing can reach any more (every output tensor dropped, e.g. a
 // forward pass made for evaluation without a NoGradGuard) are freed by a sweep as the tape grows.
 #include <cstdint>
-#include <functional>
 #include <iosfwd>
 #include <memory>
+#include <memory_resource>
+#include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tapegrad/tensor.h"
 
 namespace tg {
 
+namespace detail {
+// The tape's bump allocator: a node's small arrays and its backward closure are carved out of
+// blocks by moving a pointer, and all given back at once when the tape is emptied (the blocks are
+// kept for the next step). A training step records a few hundred nodes; with the general-purpose
+// heap each would cost five or six malloc/free pairs, more than the op itself at small sizes.
+class Arena final : public std::pmr::memory_resource {
+ public:
+  Arena() = default;
+  ~Arena() override;
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  void reset();  // forgets every allocation, keeps the blocks
+
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t align) override;
+  void do_deallocate(void*, std::size_t, std::size_t) override {}
+  bool do_is_equal(const std::pmr::memory_resource& o) const noexcept override { return this == &o; }
+  std::vector<std::pair<char*, std::size_t>> blocks_;
+  std::size_t block_ = 0;  // index of the block being carved
+  char* ptr_ = nullptr;
+  char* end_ = nullptr;
+};
+}  // namespace detail
+
+struct Node;
+
+// A node's backward closure, type-erased without std::function's heap allocation: the closure
+// object lives in the tape's arena; the node calls and destroys it.
+struct BackwardFn {
+  void* obj = nullptr;
+  void (*call)(void*, Node&) = nullptr;
+  void (*destroy)(void*) = nullptr;
+  explicit operator bool() const { return call != nullptr; }
+};
+
+// Where a backward kernel writes input i's gradient. The first gradient to reach a tensor in a
+// backward pass is written straight into a fresh, uninitialised buffer (acc = false: the kernel
+// assigns every element), later ones add into it (acc = true). This spares a zero fill and a read
+// of zeros per gradient; a kernel that cannot write every element uses Node::grad_in instead.
+struct GradDest {
+  Tensor buf;        // undefined when the input needs no gradient
+  bool acc = false;  // add into buf (true) or overwrite it (false)
+  bool defined() const { return buf.defined(); }
+  template <class T> T* ptr() { return buf.defined() ? buf.data<T>() : nullptr; }
+};
+
 struct Node {
-  const char* op = "";                                  // static string naming the op
-  std::vector<std::shared_ptr<AutogradMeta>> inputs;    // null where an input needs no gradient
-  std::vector<std::shared_ptr<AutogradMeta>> outputs;
-  std::vector<Shape> input_shapes;                       // for printing
-  std::uint64_t undefined_inputs = 0;                    // bit i: input i was an undefined tensor (optional)
-  std::vector<Tensor> saved;                             // what backward reads (activations)
-  std::function<void(Node&)> backward;
-  bool freed = false;                                    // consumed by a backward, or unreachable
+  template <class T> using Vec = std::pmr::vector<T>;
+  explicit Node(std::pmr::memory_resource* mr) : inputs(mr), outputs(mr), input_shapes(mr), saved(mr) {}
+  Node(Node&& o) noexcept;
+  Node& operator=(Node&&) = delete;
+  Node(const Node&) = delete;
+  ~Node() { release_backward(); }
+
+  const char* op = "";                          // static string naming the op
+  Vec<std::shared_ptr<AutogradMeta>> inputs;    // null where an input needs no gradient
+  Vec<std::shared_ptr<AutogradMeta>> outputs;
+  Vec<Shape> input_shapes;                      // for printing and error messages
+  std::uint64_t undefined_inputs = 0;           // bit i: input i was an undefined tensor (optional)
+  Vec<Tensor> saved;                            // what backward reads (activations)
+  BackwardFn backward;
+  bool freed = false;                           // consumed by a backward, or unreachable
 
   // The gradient flowing into output i (undefined if nothing downstream reached it).
   const Tensor& grad_out(std::size_t i = 0) const;
-  // Input i's gradient buffer to accumulate into, or an undefined tensor when i needs no gradient.
+  // Input i's gradient buffer to accumulate (+=) into, zero-filled when new; undefined when i needs
+  // no gradient.
   Tensor grad_in(std::size_t i) const;
+  // Input i's gradient for a kernel that writes every element (see GradDest).
+  GradDest grad_dest(std::size_t i) const;
   bool needs_grad(std::size_t i) const { return i < inputs.size() && inputs[i] != nullptr; }
   std::size_t bytes_saved() const;
+  void run_backward() { backward.call(backward.obj, *this); }
+  void release_backward();
 };
 
 class Tape {
  public:
+  Tape() = default;
+  ~Tape();
+  Tape(const Tape&) = delete;
+  Tape& operator=(const Tape&) = delete;
   std::size_t size() const { return nodes_.size(); }   // nodes recorded since the tape was last emptied
   std::size_t live() const { return live_; }           // of those, not yet freed
   const Node& operator[](std::size_t i) const { return nodes_[i]; }
@@ -53,8 +117,10 @@ class Tape {
   // be differentiated through.
   void clear();
 
-  Node& push(Node&& n);
+  // A new node at the end of the tape, its arrays in the tape's arena.
+  Node& push();
   Node& node(std::size_t i) { return nodes_[i]; }
+  std::pmr::memory_resource* arena() { return &arena_; }
   // Releases node i's saved tensors, closure and input references.
   void free_node(std::size_t i);
   // Frees every live node whose outputs no tensor and no later node refers to; empties the tape
@@ -62,6 +128,7 @@ class Tape {
   void sweep();
 
  private:
+  detail::Arena arena_;  // declared before nodes_: destroyed after them
   std::vector<Node> nodes_;
   std::uint64_t generation_ = 1;
   std::size_t live_ = 0;
@@ -71,6 +138,10 @@ class Tape {
 
 // This thread's tape.
 Tape& tape();
+namespace detail {
+inline std::pmr::memory_resource* tape_arena() { return tape().arena(); }
+inline std::size_t tape_size() { return tape().size(); }
+}  // namespace detail
 
 // Recording is on unless a NoGradGuard is alive on this thread (PyTorch's torch.no_grad()).
 bool grad_enabled();
@@ -91,13 +162,68 @@ void backward(const Tensor& root, const Tensor& grad = Tensor(), bool keep_tape 
 // ---- for op implementers ----
 // True when recording is on and any of the inputs requires a gradient.
 bool should_record(std::initializer_list<const Tensor*> inputs);
+
+namespace detail {
+// Appends the node (inputs, outputs, saved tensors); the closure is attached by record().
+Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in, Tensor* const* outputs,
+                  std::size_t n_out, const Tensor* saved, std::size_t n_saved);
+// Anomaly mode's forward check of a freshly recorded node's outputs (see set_detect_anomaly).
+void check_anomaly_outputs(const char* op, std::size_t index, const Node& node, const Tensor* const* outputs,
+                           std::size_t n_out, const Tensor* const* inputs, std::size_t n_in);
+bool anomaly_enabled();
+
+template <class F>
+void attach_backward(Node& node, std::pmr::memory_resource* mr, F&& f) {
+  using Fn = std::decay_t<F>;
+  void* mem = mr->allocate(sizeof(Fn), alignof(Fn));
+  node.backward.obj = ::new (mem) Fn(std::forward<F>(f));
+  node.backward.call = [](void* p, Node& n) { (*static_cast<Fn*>(p))(n); };
+  node.backward.destroy = [](void* p) { static_cast<Fn*>(p)->~Fn(); };
+}
+
+template <class F>
+Node& record_with(const char* op, const Tensor* const* in, std::size_t n_in, Tensor* const* out, std::size_t n_out,
+                  F&& backward, const Tensor* saved, std::size_t n_saved) {
+  Node& node = record_node(op, in, n_in, out, n_out, saved, n_saved);
+  attach_backward(node, tape_arena(), std::forward<F>(backward));
+  if (anomaly_enabled()) check_anomaly_outputs(op, tape_size() - 1, node, out, n_out, in, n_in);
+  return node;
+}
+}  // namespace detail
+
 // Appends a node for `op` with the given inputs and outputs; marks outputs as requiring grad.
-// Call only when should_record() said yes.
-Node& record(const char* op, std::initializer_list<const Tensor*> inputs,
-             std::initializer_list<Tensor*> outputs, std::function<void(Node&)> backward,
-             std::vector<Tensor> saved = {});
-Node& record(const char* op, const std::vector<const Tensor*>& inputs,
-             const std::vector<Tensor*>& outputs, std::function<void(Node&)> backward,
-             std::vector<Tensor> saved = {});
+// `backward` is any callable void(Node&): it reads grad_out() and saved, and writes the inputs'
+// gradients through grad_dest(i) / grad_in(i). Call only when should_record() said yes.
+template <class F>
+Node& record(const char* op, std::initializer_list<const Tensor*> inputs, std::initializer_list<Tensor*> outputs,
+             F&& backward, std::initializer_list<Tensor> saved = {}) {
+  return detail::record_with(op, inputs.begin(), inputs.size(), outputs.begin(), outputs.size(),
+                             std::forward<F>(backward), saved.begin(), saved.size());
+}
+template <class F>
+Node& record(const char* op, const std::vector<const Tensor*>& inputs, std::initializer_list<Tensor*> outputs,
+             F&& backward, std::initializer_list<Tensor> saved = {}) {
+  return detail::record_with(op, inputs.data(), inputs.size(), outputs.begin(), outputs.size(),
+                             std::forward<F>(backward), saved.begin(), saved.size());
+}
+
+// ---- anomaly mode (PyTorch's torch.autograd.set_detect_anomaly) ----
+// When on (for this thread), every recorded op checks its outputs and every backward step the
+// gradients it wrote, and the first NaN or Inf throws tg::Error naming the op, its tape index and
+// its input and output shapes, and whether its inputs were already non-finite. Costs a pass over
+// every output and gradient: a debugging aid, off by default. Ops run under NoGradGuard are not
+// recorded and so not checked. A backward stopped this way leaves the gradients part-accumulated.
+void set_detect_anomaly(bool on);
+bool is_anomaly_enabled();
+class DetectAnomalyGuard {
+ public:
+  explicit DetectAnomalyGuard(bool on = true);
+  ~DetectAnomalyGuard();
+  DetectAnomalyGuard(const DetectAnomalyGuard&) = delete;
+  DetectAnomalyGuard& operator=(const DetectAnomalyGuard&) = delete;
+
+ private:
+  bool prev_;
+};
 
 }  // namespace tg
