@@ -289,7 +289,11 @@ std::int64_t first_nonfinite(const Tensor& t) {
 
 std::string describe(const Tensor& t, std::int64_t i) {
   std::ostringstream s;
-  const double v = t.to(DType::f64).data<double>()[i];
+  // Read directly: an op here would be recorded and checked in turn.
+  const double v = detail::dispatch_float("anomaly", t.dtype(), [&](auto z) {
+    using T = decltype(z);
+    return static_cast<double>(t.data<T>()[i]);
+  });
   s << (std::isnan(v) ? "NaN" : v > 0 ? "+Inf" : "-Inf") << " at flat index " << i << " of " << t.dtype() << ' '
     << t.shape();
   return s.str();
@@ -393,6 +397,41 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
     for (const auto& in : n.inputs)
       if (in) in->visit = mark;
   }
+  // A retained non-leaf gradient (retain_grad) is both what the user reads and the buffer its node
+  // reads during the walk: what an earlier backward left in it must not flow again. Set it aside
+  // and add it back afterwards.
+  std::vector<std::pair<AutogradMeta*, Tensor>> kept;
+  auto keep = [&](AutogradMeta& m) {
+    if (m.node >= 0 && m.retains_grad && m.grad.defined()) {
+      kept.emplace_back(&m, m.grad);
+      m.grad = Tensor();
+    }
+  };
+  keep(rm);
+  for (std::int64_t i = rm.node; i >= 0; --i) {
+    Node& n = tp.node(static_cast<std::size_t>(i));
+    bool reached = false;
+    for (const auto& o : n.outputs) reached = reached || o->visit == mark;
+    if (!reached) continue;
+    for (const auto& in : n.inputs)
+      if (in) keep(*in);
+  }
+  struct Restore {  // also when a backward kernel or anomaly mode throws
+    std::vector<std::pair<AutogradMeta*, Tensor>>& kept;
+    ~Restore() {
+      for (auto& [m, old] : kept) {
+        if (m->grad.defined()) {
+          detail::dispatch_float("backward", old.dtype(), [&](auto z) {
+            using T = decltype(z);
+            T* o = old.data<T>();
+            const T* g = m->grad.data<T>();
+            for (std::int64_t i = 0; i < old.numel(); ++i) o[i] += g[i];
+          });
+        }
+        m->grad = old;
+      }
+    }
+  } restore{kept};
 
   // Seed the root's gradient. An intermediate root whose gradient nobody keeps is only read by its
   // own node, so it may share the caller's tensor; a leaf's or a retained gradient accumulates (so

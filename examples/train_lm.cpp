@@ -85,6 +85,10 @@ int main(int argc, char** argv) {
   app.add_option("--top-k", c.top_k, "sample among the k most likely characters (0: all)")->check(kNonNegative)->capture_default_str();
   bool quiet = false, trace = false;
   app.add_flag("--quiet", quiet, "no progress output");
+  app.add_flag("--detect-anomaly", c.detect_anomaly,
+               "check every op's outputs and gradients for NaN/Inf and stop at the first, naming the op (slow; "
+               "without it a non-finite loss or gradient norm still stops the run, and that step is re-run in this mode "
+               "to name the op)");
   app.add_flag("--trace", trace, "print the tape of one training step (ops, shapes, bytes saved) and exit; "
                                  "with --out also write it as Graphviz DOT (tape.dot)");
 
@@ -138,6 +142,7 @@ int main(int argc, char** argv) {
       if (app.count("--data")) r.data = c.data;
       r.out = resume;
       r.progress = c.progress;
+      r.detect_anomaly = c.detect_anomaly;
       r.sample = c.sample;
       r.temperature = c.temperature;
       r.top_k = c.top_k;

@@ -147,6 +147,23 @@ TrainConfig read_checkpoint_config(const std::string& dir) {
   }
 }
 
+// Re-runs one step's forward and backward in anomaly mode and returns its report: the first op on
+// the tape whose output or gradient holds a NaN or Inf, with its shapes.
+std::string locate_anomaly(nn::GPT& model, const Tensor& x, const Tensor& y) {
+  DetectAnomalyGuard anomaly(true);
+  try {
+    Tensor loss = model.loss(x, y);
+    loss.backward();
+  } catch (const Error& e) {
+    tape().clear();
+    for (auto& p : model.parameters()) p.zero_grad();
+    return e.what();
+  }
+  tape().clear();
+  for (auto& p : model.parameters()) p.zero_grad();
+  return "anomaly mode found no NaN or Inf when re-running the step";
+}
+
 RunResult train(const TrainConfig& cfg_in, const Corpus& corpus, bool resume) {
   TrainConfig cfg = cfg_in;
   cfg.model.vocab_size = corpus.vocab_size();
@@ -250,15 +267,29 @@ RunResult train(const TrainConfig& cfg_in, const Corpus& corpus, bool resume) {
     const double lr = schedule(it);
     opt.set_lr(lr);
     sample_batch(corpus.train, cfg.batch_size, cfg.model.block_size, batch_gen, x, y);
-    Tensor loss = model.loss(x, y);
-    const double lv = loss.item();
-    if (!std::isfinite(lv)) {
-      tape().clear();
-      fail("train", norm, ": the loss became ", lv, " at step ", it, "; the last checkpoint in '", cfg.out, "' is kept");
+    Tensor loss;
+    double lv = NAN, gnorm = 0;
+    {
+      DetectAnomalyGuard anomaly(cfg.detect_anomaly);
+      loss = model.loss(x, y);
+      lv = loss.item();
+      if (std::isfinite(lv)) {
+        opt.zero_grad();
+        loss.backward();
+        if (cfg.grad_clip > 0) gnorm = optim::clip_grad_norm(params, cfg.grad_clip);
+      }
     }
-    opt.zero_grad();
-    loss.backward();
-    if (cfg.grad_clip > 0) optim::clip_grad_norm(params, cfg.grad_clip);
+    if (!std::isfinite(lv) || !std::isfinite(gnorm)) {
+      // Stop before the optimiser step can spread the NaN into the weights; the checkpoint on disk
+      // is the last good state. Re-running this step's batch in anomaly mode names the op that
+      // first produced a NaN or Inf (its forward, or its backward when only the gradients blew up).
+      loss = Tensor();
+      tape().clear();
+      const std::string what = std::isfinite(lv) ? "the gradient norm became " + std::to_string(gnorm)
+                                                  : "the loss became " + std::to_string(lv);
+      fail("train", norm, ": ", what, " at step ", it + 1, " (", locate_anomaly(model, x, y), "); the last checkpoint",
+           cfg.out.empty() ? std::string(" (none: no --out)") : " in '" + cfg.out + "'", " is kept");
+    }
     opt.step();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     times.push_back(ms);

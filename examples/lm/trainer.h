@@ -32,6 +32,7 @@ struct TrainConfig {
   double temperature = 0.8;
   std::int64_t top_k = 40;
   bool progress = true;           // a live line on a terminal, log lines otherwise
+  bool detect_anomaly = false;    // check every op's outputs and gradients for NaN/Inf (slow)
 };
 
 struct EvalPoint {

@@ -209,3 +209,125 @@ TEST_CASE("a node recorded right after a sweep that emptied the tape is still di
   s.backward();
   CHECK(w.grad().item() == 3.0);
 }
+
+// ---- gradient buffers: the first write assigns, later ones add ----
+
+TEST_CASE("the first gradient into a tensor overwrites stale memory; later paths add to it") {
+  // Fresh gradient buffers come uninitialised from the caching allocator, which hands back blocks
+  // just freed: fill the cache with garbage of the right size first, so a kernel that forgot to
+  // write an element (or added to the garbage) would show it.
+  for (int rep = 0; rep < 3; ++rep) {
+    { Tensor junk = full({4, 6}, 1e6); }
+    Tensor x = tensor({1, -2, 3, 0.5, 2, -1, 4, 1, -3, 2, 0.25, 1, 1, 2, 3, 4, 5, 6, -1, -2, -3, -4, -5, -6}, {4, 6},
+                      float64).requires_grad_();
+    Tensor w = tensor({1, 2, 3, 4, 5, 6}, {6}, float64).requires_grad_();
+    // x feeds three paths: a row-broadcast add, a norm, and a product with itself.
+    Tensor y = sum((x + w) * 2.0) + sum(rms_norm(x, w, Tensor(), 1e-5, 1.0)) + sum(x * x);
+    y.backward();
+    // Reference: the same function from composite ops, whose gradients are checked elsewhere.
+    Tensor x2 = x.detach().clone().requires_grad_(), w2 = w.detach().clone().requires_grad_();
+    Tensor y2 = sum((x2 + w2) * 2.0) + sum(composite::rms_norm(x2, w2, Tensor(), 1e-5, 1.0)) + sum(x2 * x2);
+    y2.backward();
+    CHECK(max_abs_diff(x.grad(), x2.grad()) < 1e-12);
+    CHECK(max_abs_diff(w.grad(), w2.grad()) < 1e-12);
+  }
+}
+
+TEST_CASE("a tensor passed as both operands gets both gradients (x * x, a @ a, a norm of its own gain)") {
+  Tensor x = tensor({1, 2, 3}, {3}, float64).requires_grad_();
+  sum(x * x).backward();
+  CHECK(x.grad().to_vector<double>() == std::vector<double>{2, 4, 6});
+  Tensor a = tensor({1, 2, 3, 4}, {2, 2}, float64).requires_grad_();
+  sum(matmul(a, a)).backward();
+  // d/dA sum(A A) = 1 A^T + A^T 1 = [[3, 7], [3, 7]] + [[4, 4], [6, 6]]
+  CHECK(a.grad().to_vector<double>() == std::vector<double>{7, 11, 9, 13});
+  Tensor g = tensor({0.5, 1.5, 2.5}, {3}, float64).requires_grad_();
+  Tensor g2 = g.detach().clone().requires_grad_(), g3 = g.detach().clone().requires_grad_();
+  sum(rms_norm(g, g, Tensor(), 1e-5, 1.0)).backward();
+  sum(rms_norm(g2, g3, Tensor(), 1e-5, 1.0)).backward();
+  CHECK(max_abs_diff(g.grad(), g2.grad() + g3.grad()) < 1e-12);
+}
+
+TEST_CASE("backward with a given upstream gradient leaves the caller's tensor untouched; retained gradients add up") {
+  Tensor x = tensor({1, 2, 3}, {3}, float64).requires_grad_();
+  Tensor y = x * 2.0;
+  y.retain_grad();
+  Tensor dy = tensor({1, 1, 1}, {3}, float64);
+  y.backward(dy, true);
+  y.backward(dy);
+  CHECK(dy.to_vector<double>() == std::vector<double>{1, 1, 1});
+  CHECK(y.grad().to_vector<double>() == std::vector<double>{2, 2, 2});
+  CHECK(x.grad().to_vector<double>() == std::vector<double>{4, 4, 4});
+  // The same for a retained intermediate: each backward sends only its own gradient through it.
+  Tensor a = tensor({1, 2}, {2}, float64).requires_grad_();
+  Tensor h = a * 3.0;
+  h.retain_grad();
+  Tensor l = sum(h * h);
+  l.backward(Tensor(), true);
+  l.backward();
+  CHECK(h.grad().to_vector<double>() == std::vector<double>{12, 24});  // 2 x 2h
+  CHECK(a.grad().to_vector<double>() == std::vector<double>{36, 72});  // 2 x 3 x 2h
+}
+
+// ---- anomaly mode ----
+
+TEST_CASE("anomaly mode is off by default: a NaN passes through silently") {
+  CHECK_FALSE(is_anomaly_enabled());
+  Tensor x = tensor({-1, 1}, {2}, float64).requires_grad_();
+  Tensor y = sum(log(x));
+  CHECK(std::isnan(y.item()));
+  y.backward();
+  tape().clear();
+}
+
+TEST_CASE("anomaly mode names the first op whose output is not finite, with its shapes") {
+  Tensor x = tensor({-1, 1, 2, 3}, {2, 2}, float64).requires_grad_();
+  {
+    DetectAnomalyGuard on;
+    Tensor a = x * 2.0;  // finite
+    REQUIRE_TG_ERROR(log(a), "anomaly", "forward of op 'log'", "tape node 1", "(2, 2)", "NaN", "inputs were all finite");
+  }
+  CHECK_FALSE(is_anomaly_enabled());
+  tape().clear();
+  // A NaN already in the data is reported as coming in, not as made by the op.
+  Tensor bad = tensor({1, NAN}, {2}, float64).requires_grad_();
+  {
+    DetectAnomalyGuard on;
+    REQUIRE_TG_ERROR(bad * 3.0, "anomaly", "op 'mul'", "input 0 already had NaN at flat index 1");
+  }
+  tape().clear();
+  // Inf counts too; ops under NoGradGuard are not recorded and so not checked.
+  Tensor z = tensor({0, 1}, {2}, float64).requires_grad_();
+  {
+    DetectAnomalyGuard on;
+    REQUIRE_TG_ERROR(rdiv(1.0, z), "anomaly", "op 'rdiv'", "+Inf at flat index 0");
+    NoGradGuard ng;
+    CHECK(std::isinf(rdiv(1.0, z).at({0})));
+  }
+  tape().clear();
+}
+
+TEST_CASE("anomaly mode names the first backward that makes a non-finite gradient") {
+  // sqrt is finite at 0 but its derivative 1 / (2 sqrt(x)) is not.
+  Tensor x = tensor({0, 4}, {2}, float64).requires_grad_();
+  DetectAnomalyGuard on;
+  Tensor y = sum(sqrt(x) * 3.0);
+  REQUIRE_TG_ERROR(y.backward(), "anomaly", "backward of op 'sqrt'", "gradient of input 0", "+Inf at flat index 0",
+                   "upstream gradient was finite");
+  tape().clear();
+}
+
+TEST_CASE("anomaly mode changes no result when everything is finite") {
+  Tensor x = param64({3, 5}, 11), w = param64({5}, 12);
+  auto f = [&]() { return sum(gelu(layer_norm(x, w, Tensor(), 1e-5)) * x); };
+  f().backward();
+  const std::vector<double> gx = x.grad().to_vector<double>(), gw = w.grad().to_vector<double>();
+  x.zero_grad();
+  w.zero_grad();
+  {
+    DetectAnomalyGuard on;
+    f().backward();
+  }
+  CHECK(x.grad().to_vector<double>() == gx);
+  CHECK(w.grad().to_vector<double>() == gw);
+}

@@ -2,6 +2,8 @@
 // reproducibility, checkpoints, the summary and the chart.
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -162,6 +164,47 @@ TEST_CASE("checkpoints are complete files: a resume from a damaged one is refuse
   r.steps = 30;
   CHECK_THROWS_AS(lm::train(r, corpus, true), Error);
   REQUIRE_TG_ERROR(lm::read_checkpoint_config((dir / "nothing").string()), "resume", "no checkpoint");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a run that diverges stops with the op that made the first NaN or Inf and keeps its last checkpoint",
+          "[lm]") {
+  const fs::path dir = scratch("diverge");
+  const std::string data = make_corpus(dir);
+  lm::Corpus corpus = lm::load_corpus(data, 16);
+  lm::TrainConfig c = tiny(data);
+  c.model.dropout = 0;
+  c.steps = 400;
+  c.warmup = 0;
+  c.eval_interval = 1;  // a checkpoint after every step
+  c.eval_iters = 1;
+  c.grad_clip = 1.0;
+  c.out = (dir / "run").string();
+  // Adam moves every weight by about lr per step: with lr = 100 the attention scores overflow
+  // float32 on the second step (exp(inf - inf) in the softmax).
+  c.lr = c.min_lr = 100;
+  std::string msg;
+  try {
+    lm::train(c, corpus);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  INFO(msg);
+  REQUIRE_FALSE(msg.empty());
+  CHECK((msg.find("the loss became") != std::string::npos || msg.find("the gradient norm became") != std::string::npos));
+  CHECK(msg.find("(anomaly: ") != std::string::npos);
+  CHECK(msg.find(" of op '") != std::string::npos);
+  CHECK(msg.find("is kept") != std::string::npos);
+  // The checkpoint on disk is from before the failure and holds only finite numbers.
+  const fs::path ck = dir / "run" / "checkpoint.safetensors";
+  REQUIRE(fs::exists(ck));
+  for (const auto& [name, t] : load_safetensors(ck.string())) {
+    if (!is_floating(t.dtype())) continue;
+    const std::vector<double> v = t.to_vector<double>();
+    INFO(name);
+    CHECK(std::all_of(v.begin(), v.end(), [](double d) { return std::isfinite(d); }));
+  }
+  CHECK(tape().live() == 0);
   fs::remove_all(dir);
 }
 
