@@ -387,7 +387,15 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   // was freed (so a failing call changes nothing).
   static thread_local std::uint64_t epoch = 0;
   const std::uint64_t mark = ++epoch;
+  // A retained non-leaf gradient (retain_grad) is both what the user reads and the buffer its node
+  // reads during the walk: what an earlier backward left in it must not flow again. Pass 1 notes
+  // them; they are set aside once the pass has found nothing to refuse, and added back afterwards.
+  std::vector<AutogradMeta*> retained;
+  auto note = [&](AutogradMeta& m) {
+    if (m.node >= 0 && m.retains_grad && m.grad.defined()) retained.push_back(&m);
+  };
   rm.visit = mark;
+  note(rm);
   for (std::int64_t i = rm.node; i >= 0; --i) {
     Node& n = tp.node(static_cast<std::size_t>(i));
     bool reached = false;
@@ -395,26 +403,15 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
     if (!reached) continue;
     if (n.freed) fail("backward", freed_msg, " (op '", n.op, "', node ", i, ")");
     for (const auto& in : n.inputs)
-      if (in) in->visit = mark;
+      if (in && in->visit != mark) {
+        in->visit = mark;
+        note(*in);
+      }
   }
-  // A retained non-leaf gradient (retain_grad) is both what the user reads and the buffer its node
-  // reads during the walk: what an earlier backward left in it must not flow again. Set it aside
-  // and add it back afterwards.
   std::vector<std::pair<AutogradMeta*, Tensor>> kept;
-  auto keep = [&](AutogradMeta& m) {
-    if (m.node >= 0 && m.retains_grad && m.grad.defined()) {
-      kept.emplace_back(&m, m.grad);
-      m.grad = Tensor();
-    }
-  };
-  keep(rm);
-  for (std::int64_t i = rm.node; i >= 0; --i) {
-    Node& n = tp.node(static_cast<std::size_t>(i));
-    bool reached = false;
-    for (const auto& o : n.outputs) reached = reached || o->visit == mark;
-    if (!reached) continue;
-    for (const auto& in : n.inputs)
-      if (in) keep(*in);
+  for (AutogradMeta* m : retained) {
+    kept.emplace_back(m, m->grad);
+    m->grad = Tensor();
   }
   struct Restore {  // also when a backward kernel or anomaly mode throws
     std::vector<std::pair<AutogradMeta*, Tensor>>& kept;

@@ -57,9 +57,33 @@ std::size_t rounded(std::size_t n) { return n == 0 ? kAlign : (n + kAlign - 1) /
 
 }  // namespace
 
+// Blocks up to kLocalMax bytes also pass through a small per-thread list first, without the lock:
+// the activations of a chain of tiny ops come and go by the hundred thousand.
+constexpr std::size_t kLocalMax = 4096;
+constexpr std::size_t kLocalBytes = std::size_t(16) << 20;  // per thread; beyond it blocks go to the cache
+
+struct LocalLists {
+  std::vector<void*> lists[kLocalMax / kAlign + 1];
+  std::size_t bytes = 0;
+  static LocalLists& mine() {
+    thread_local LocalLists* l = new LocalLists();  // never destroyed, as the cache
+    return *l;
+  }
+};
+
 Storage::Storage(std::size_t n) : nbytes(n) {
   const std::size_t size = rounded(n);
 #if TG_CACHE_ENABLED
+  if (size <= kLocalMax) {
+    LocalLists& local = LocalLists::mine();
+    std::vector<void*>& mine = local.lists[size / kAlign];
+    if (!mine.empty()) {
+      data = mine.back();
+      mine.pop_back();
+      local.bytes -= size;
+      return;
+    }
+  }
   {
     Cache& c = cache();
     std::lock_guard<std::mutex> lock(c.mu);
@@ -79,6 +103,18 @@ Storage::Storage(std::size_t n) : nbytes(n) {
 Storage::~Storage() {
 #if TG_CACHE_ENABLED
   const std::size_t size = rounded(nbytes);
+  if (size <= kLocalMax) {
+    LocalLists& local = LocalLists::mine();
+    if (local.bytes + size <= kLocalBytes) {
+      try {
+        local.lists[size / kAlign].push_back(data);
+        local.bytes += size;
+        return;
+      } catch (const std::bad_alloc&) {
+        // no room to note it: hand it to the shared cache below
+      }
+    }
+  }
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   if (c.bytes + size <= kMaxCached) {
