@@ -59,6 +59,7 @@ std::size_t rounded(std::size_t n) { return n == 0 ? kAlign : (n + kAlign - 1) /
 
 // Blocks up to kLocalMax bytes also pass through a small per-thread list first, without the lock:
 // the activations of a chain of tiny ops come and go by the hundred thousand.
+namespace {
 constexpr std::size_t kLocalMax = 4096;
 constexpr std::size_t kLocalBytes = std::size_t(16) << 20;  // per thread; beyond it blocks go to the cache
 
@@ -70,6 +71,7 @@ struct LocalLists {
     return *l;
   }
 };
+}  // namespace
 
 Storage::Storage(std::size_t n) : nbytes(n) {
   const std::size_t size = rounded(n);
@@ -129,9 +131,17 @@ Storage::~Storage() {
 std::size_t cached_bytes() {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
-  return c.bytes;
+  return c.bytes + LocalLists::mine().bytes;
 }
 
-void empty_cache() { cache().release(); }
+void empty_cache() {
+  LocalLists& local = LocalLists::mine();
+  for (auto& blocks : local.lists) {
+    for (void* p : blocks) std::free(p);
+    blocks.clear();
+  }
+  local.bytes = 0;
+  cache().release();
+}
 
 }  // namespace tg

@@ -29,8 +29,8 @@ struct Storage {
 
 // The caching allocator keeps freed blocks by size for reuse, so a training step that allocates
 // the same activations every iteration stops page-faulting fresh memory after the first one.
-std::size_t cached_bytes();  // bytes held in the cache, not in use
-void empty_cache();          // returns every cached block to the system
+std::size_t cached_bytes();  // bytes held in the cache (shared, and this thread's small-block lists), not in use
+void empty_cache();          // returns those blocks to the system
 
 struct AutogradMeta;
 
