@@ -131,7 +131,7 @@ Tape::~Tape() { nodes_.clear(); }
 
 Node& Tape::push() {
   if (nodes_.size() >= next_sweep_) sweep();
-  nodes_.emplace_back(&arena_);
+  nodes_.emplace_back();
   ++live_;
   return nodes_.back();
 }
@@ -148,9 +148,9 @@ void Tape::free_node(std::size_t i) {
   Node& n = nodes_[i];
   if (n.freed) return;
   n.freed = true;
-  n.saved.clear();
+  n.saved.destroy();
   n.release_backward();
-  n.inputs.clear();
+  n.inputs.destroy();
   --live_;
 }
 
@@ -245,26 +245,39 @@ namespace detail {
 
 Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in, Tensor* const* outputs,
                   std::size_t n_out, const Tensor* saved, std::size_t n_saved) {
+  using Meta = std::shared_ptr<AutogradMeta>;
+  static_assert(alignof(Meta) <= alignof(Tensor) && alignof(Shape) <= alignof(Tensor));
   Tape& tp = tape();
   Node& n = tp.push();
-  n.op = op;
-  n.inputs.reserve(n_in);
-  n.input_shapes.reserve(n_in);
+  // One arena block for the four arrays: saved tensors first (the strictest alignment).
+  const std::size_t bytes = n_saved * sizeof(Tensor) + (n_in + n_out) * sizeof(Meta) + n_in * sizeof(Shape);
+  char* mem = static_cast<char*>(tp.arena()->allocate(bytes ? bytes : 1, alignof(Tensor)));
+  auto* sv = reinterpret_cast<Tensor*>(mem);
+  auto* in = reinterpret_cast<Meta*>(mem + n_saved * sizeof(Tensor));
+  auto* out = in + n_in;
+  auto* shapes = reinterpret_cast<Shape*>(reinterpret_cast<char*>(out + n_out));
+  std::uint64_t undefined = 0;
   for (std::size_t i = 0; i < n_in; ++i) {
     const Tensor* t = inputs[i];
-    n.inputs.push_back(t->requires_grad() ? t->meta() : nullptr);
-    n.input_shapes.push_back(t->shape());
-    if (!t->defined() && i < 64) n.undefined_inputs |= std::uint64_t(1) << i;
+    ::new (in + i) Meta(t->requires_grad() ? t->meta() : nullptr);
+    ::new (shapes + i) Shape(t->shape());
+    if (!t->defined() && i < 64) undefined |= std::uint64_t(1) << i;
   }
-  n.outputs.reserve(n_out);
+  for (std::size_t i = 0; i < n_saved; ++i) ::new (sv + i) Tensor(saved[i]);
+  const auto index = static_cast<std::int64_t>(tp.size()) - 1;
   for (std::size_t i = 0; i < n_out; ++i) {
     auto& m = outputs[i]->ensure_meta();
     m->requires_grad = true;
-    m->node = static_cast<std::int64_t>(tp.size()) - 1;
+    m->node = index;
     m->generation = tp.generation();
-    n.outputs.push_back(m);
+    ::new (out + i) Meta(m);
   }
-  n.saved.assign(saved, saved + n_saved);
+  n.op = op;
+  n.inputs = NodeArray<Meta>(in, n_in);
+  n.outputs = NodeArray<Meta>(out, n_out);
+  n.input_shapes = NodeArray<Shape>(shapes, n_in);
+  n.saved = NodeArray<Tensor>(sv, n_saved);
+  n.undefined_inputs = undefined;
   return n;
 }
 

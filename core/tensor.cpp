@@ -69,16 +69,24 @@ struct PoolAllocator {
 void check_shape(const char* op, const Shape& s) {
   for (int i = 0; i < s.ndim(); ++i)
     if (s[i] < 0) fail(op, "negative dimension in shape ", s);
-  // Guard against sizes whose byte count overflows.
-  double n = 1;
+  // Sizes beyond 1 TiB are refused before anything is allocated (and before the byte count could
+  // overflow): no machine this runs on has that much memory, and the allocator's own failure is
+  // a less helpful message (or, under AddressSanitizer, an abort).
+  double n = 8;
   for (int i = 0; i < s.ndim(); ++i) n *= static_cast<double>(s[i]);
-  if (n * 8 > 9.0e18) fail(op, "shape ", s, " is too large");
+  if (n > static_cast<double>(std::int64_t(1) << 40)) fail(op, "shape ", s, " is too large (over 1 TiB)");
 }
 }  // namespace
 
 Tensor Tensor::empty(const Shape& shape, DType dtype) {
   check_shape("empty", shape);
-  auto st = std::allocate_shared<Storage>(PoolAllocator<Storage>(), static_cast<std::size_t>(shape.numel()) * itemsize(dtype));
+  const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * itemsize(dtype);
+  std::shared_ptr<Storage> st;
+  try {
+    st = std::allocate_shared<Storage>(PoolAllocator<Storage>(), bytes);
+  } catch (const std::bad_alloc&) {
+    fail("empty", "out of memory allocating ", bytes, " bytes for ", dtype, " ", shape);
+  }
   return Tensor(std::move(st), shape, dtype);
 }
 

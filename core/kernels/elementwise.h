@@ -67,9 +67,9 @@ struct SigmoidOp {  // s (1 - s); written to avoid overflow of exp for large |x|
   }
   template <class T> T df(T, T y) const { return y * (T(1) - y); }
 };
-struct ReluOp {  // 1 where x > 0, else 0 (0 at 0, as PyTorch)
+struct ReluOp {  // 1 where x > 0, else 0 (0 at 0, as PyTorch); NaN stays NaN
   static constexpr bool kX = true, kY = false;
-  template <class T> T f(T x) const { return x > 0 ? x : T(0); }
+  template <class T> T f(T x) const { return x < 0 ? T(0) : x; }
   template <class T> T df(T x, T) const { return x > 0 ? T(1) : T(0); }
 };
 struct GeluErfOp {  // x Phi(x); d/dx = Phi(x) + x phi(x), phi the standard normal density
@@ -101,6 +101,12 @@ struct MulScalarOp {
   static constexpr bool kX = false, kY = false;
   template <class T> T f(T x) const { return x * static_cast<T>(s); }
   template <class T> T df(T, T) const { return static_cast<T>(s); }
+};
+struct DivScalarOp {  // x / s, divided (not multiplied by 1/s, which overflows for subnormal s)
+  double s;
+  static constexpr bool kX = false, kY = false;
+  template <class T> T f(T x) const { return x / static_cast<T>(s); }
+  template <class T> T df(T, T) const { return T(1) / static_cast<T>(s); }
 };
 struct RsubScalarOp {  // s - x
   double s;

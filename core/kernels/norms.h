@@ -62,10 +62,15 @@ void layer_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, 
     for (std::int64_t r = lo; r < hi; ++r) {
       const T* xr = x + r * C;
       T* yr = y + r * C;
+      // The mean is taken of the deviations from the row's first value, x0 + mean(x - x0): a
+      // constant row then has exactly its value as mean and normalises to exactly 0 (the plain
+      // mean of three 1e30 is off by an ulp, and the ulp divided by itself is +-1). An infinite
+      // x0 would turn the deviations into NaN: then no shift.
+      const double x0 = std::isfinite(xr[0]) ? static_cast<double>(xr[0]) : 0.0;
       double mu = 0;
       TG_PRAGMA(omp simd reduction(+ : mu))
-      for (std::int64_t j = 0; j < C; ++j) mu += xr[j];
-      mu /= static_cast<double>(C);
+      for (std::int64_t j = 0; j < C; ++j) mu += xr[j] - x0;
+      mu = x0 + mu / static_cast<double>(C);
       double var = 0;
       TG_PRAGMA(omp simd reduction(+ : var))
       for (std::int64_t j = 0; j < C; ++j) {
@@ -202,11 +207,15 @@ void batch_norm_apply(const T* x, const T* g, const T* b, T* y, const double* mu
 template <class T>
 void batch_norm_forward_train(const T* x, const T* g, const T* b, T* y, double* mean, T* rstd, double* var_out,
                               std::int64_t R, std::int64_t C, double eps) {
+  // Per channel, the mean of the deviations from the first row (see layer_norm_forward).
+  std::vector<double> shift(static_cast<std::size_t>(C));
+  for (std::int64_t c = 0; c < C; ++c) shift[static_cast<std::size_t>(c)] = std::isfinite(x[c]) ? static_cast<double>(x[c]) : 0.0;
   std::vector<double> mu = rows_with_partials(R, C, R * C, [&](std::int64_t r, double* acc) {
     const T* xr = x + r * C;
-    for (std::int64_t c = 0; c < C; ++c) acc[c] += xr[c];
+    for (std::int64_t c = 0; c < C; ++c) acc[c] += static_cast<double>(xr[c]) - shift[static_cast<std::size_t>(c)];
   });
-  for (double& m : mu) m /= static_cast<double>(R);
+  for (std::int64_t c = 0; c < C; ++c)
+    mu[static_cast<std::size_t>(c)] = shift[static_cast<std::size_t>(c)] + mu[static_cast<std::size_t>(c)] / static_cast<double>(R);
   std::vector<double> var = rows_with_partials(R, C, R * C, [&](std::int64_t r, double* acc) {
     const T* xr = x + r * C;
     for (std::int64_t c = 0; c < C; ++c) {
@@ -308,11 +317,18 @@ void causal_softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t Tn
       const T* xr = x + r * Tn;
       T* yr = y + r * Tn;
       const T sc = static_cast<T>(scale);
+      // The scaled scores are stored (rounded) before the maximum is taken, so the largest one
+      // minus the maximum is exactly 0: computed on the fly, s x_j - m contracts to a fused
+      // multiply-add whose exact product differs from the rounded m, and at large scales that
+      // difference alone overflows exp.
       T m = -std::numeric_limits<T>::infinity();
-      for (std::int64_t j = 0; j <= i; ++j) m = sc * xr[j] > m ? sc * xr[j] : m;
+      for (std::int64_t j = 0; j <= i; ++j) {
+        yr[j] = sc * xr[j];
+        m = yr[j] > m ? yr[j] : m;
+      }
       double s = 0;
       for (std::int64_t j = 0; j <= i; ++j) {
-        const T e = fast_exp(sc * xr[j] - m);
+        const T e = fast_exp(yr[j] - m);
         yr[j] = e;
         s += e;
       }

@@ -1,4 +1,5 @@
 // causal_attention: the fused op over core/kernels/attention.h.
+#include <algorithm>
 #include <cmath>
 
 #include "dispatch.h"
@@ -8,20 +9,30 @@
 
 namespace tg {
 
-Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
-  const char* op = "causal_attention";
+namespace {
+// The checks shared by the fused op and its composite twin.
+void check_attention(const char* op, const Tensor& qkv, std::int64_t H) {
   detail::check_float(op, qkv);
   if (qkv.dim() != 3 || qkv.size(2) % 3 != 0) fail(op, "expects packed qkv (B, T, 3C), got ", qkv.shape());
-  const std::int64_t B = qkv.size(0), Tn = qkv.size(1), C = qkv.size(2) / 3;
+  const std::int64_t C = qkv.size(2) / 3;
   if (H <= 0 || C % H != 0) fail(op, "width ", C, " of ", qkv.shape(), " is not a positive multiple of n_head ", H);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(C / H));
+}
+// 1 / sqrt(head size); 1 for zero-width heads, which have no scores to scale.
+double attention_scale(std::int64_t hs) { return hs > 0 ? 1.0 / std::sqrt(static_cast<double>(hs)) : 1.0; }
+}  // namespace
+
+Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
+  const char* op = "causal_attention";
+  check_attention(op, qkv, H);
+  const std::int64_t B = qkv.size(0), Tn = qkv.size(1), C = qkv.size(2) / 3;
+  const double scale = attention_scale(C / H);
   Tensor y = Tensor::empty({B, Tn, C}, qkv.dtype());
   Tensor P = Tensor::empty({B, H, Tn, Tn}, qkv.dtype());
-  if (y.numel() == 0) return y;
-  detail::dispatch_float(op, qkv.dtype(), [&](auto z) {
-    using T = decltype(z);
-    kernels::attention_forward(qkv.data<T>(), y.data<T>(), P.data<T>(), B, Tn, C, H, scale);
-  });
+  if (y.numel() > 0)
+    detail::dispatch_float(op, qkv.dtype(), [&](auto z) {
+      using T = decltype(z);
+      kernels::attention_forward(qkv.data<T>(), y.data<T>(), P.data<T>(), B, Tn, C, H, scale);
+    });
   if (should_record({&qkv}))
     record(
         op, {&qkv}, {&y},
@@ -29,6 +40,11 @@ Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
           detail::dispatch_float("causal_attention", n.grad_out().dtype(), [&](auto z) {
             using T = decltype(z);
             GradDest dqkv = n.grad_dest(0);
+            if (dqkv.buf.numel() == 0) return;
+            if (n.grad_out().numel() == 0) {  // no outputs (T = 0 or C = 0): nothing flows back
+              if (!dqkv.acc) std::fill(dqkv.ptr<T>(), dqkv.ptr<T>() + dqkv.buf.numel(), T(0));
+              return;
+            }
             kernels::attention_backward(n.saved[0].data<T>(), n.saved[1].data<T>(), n.grad_out().data<T>(),
                                         dqkv.ptr<T>(), B, Tn, C, H, scale, dqkv.acc);
           });
@@ -39,10 +55,11 @@ Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
 
 namespace composite {
 Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
+  check_attention("composite::causal_attention", qkv, H);
   const std::int64_t B = qkv.size(0), Tn = qkv.size(1), C = qkv.size(2) / 3, hs = C / H;
   std::vector<Tensor> parts = split(permute(qkv.reshape({B, Tn, 3, H, hs}), {2, 0, 3, 1, 4}), 1, 0);
   Tensor q = parts[0].reshape({B, H, Tn, hs}), k = parts[1].reshape({B, H, Tn, hs}), v = parts[2].reshape({B, H, Tn, hs});
-  Tensor att = tg::scaled_causal_softmax(matmul(q, k, false, true), 1.0 / std::sqrt(static_cast<double>(hs)));
+  Tensor att = tg::scaled_causal_softmax(matmul(q, k, false, true), attention_scale(hs));
   return permute(matmul(att, v), {0, 2, 1, 3}).reshape({B, Tn, C});
 }
 }  // namespace composite

@@ -165,7 +165,7 @@ Tensor mul(const Tensor& a, double s) { check_scalar("mul", s); return unary("mu
 Tensor div(const Tensor& a, double s) {
   check_scalar("div", s);
   if (s == 0) fail("div", "division of ", a.shape(), " by the scalar 0");
-  return unary("div", a, MulScalarOp{1.0 / s});
+  return unary("div", a, DivScalarOp{s});
 }
 Tensor rsub(double s, const Tensor& a) { check_scalar("rsub", s); return unary("rsub", a, RsubScalarOp{s}); }
 Tensor rdiv(double s, const Tensor& a) { check_scalar("rdiv", s); return unary("rdiv", a, RdivScalarOp{s}); }

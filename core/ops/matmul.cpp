@@ -126,7 +126,7 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
         "matmul", {&a, &b}, {&y},
         [p, lda, ldb, sa, sb, sc](Node& n) {
           const Tensor& dC = n.grad_out();
-          if (p.M * p.N * p.K == 0) {  // empty products: the gradients are zeros (or empty)
+          if (p.batch * p.M * p.N * p.K == 0) {  // empty products: the gradients are zeros (or empty)
             n.grad_in(0);
             n.grad_in(1);
             return;

@@ -46,6 +46,8 @@ std::int64_t check_row_norm(const char* op, const Tensor& x, const Tensor& weigh
 }  // namespace
 
 std::int64_t prms_k(std::int64_t n, double p) {
+  if (!(p > 0 && p <= 1)) fail("prms_k", "p must be in (0, 1], got ", p);
+  if (n < 0) fail("prms_k", "n must be >= 0, got ", n);
   return std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(static_cast<double>(n) * p - 1e-9)));
 }
 

@@ -78,8 +78,8 @@ Tensor reshape(const Tensor& x, const Shape& shape) {
       infer = d;
     } else if (s[d] < 0) {
       fail("reshape", "invalid dimension ", s[d], " in ", shape);
-    } else {
-      known *= s[d];
+    } else if (__builtin_mul_overflow(known, s[d], &known)) {
+      fail("reshape", "shape ", shape, " has more elements than an int64 holds");
     }
   }
   if (infer >= 0) {
@@ -152,7 +152,7 @@ Tensor slice(const Tensor& x, int dim, std::int64_t start, std::int64_t end, std
   const std::int64_t n = x.shape()[d];
   auto clampi = [n](std::int64_t i) { return std::min(n, std::max<std::int64_t>(0, i < 0 ? i + n : i)); };
   const std::int64_t s0 = clampi(start), e0 = clampi(end);
-  const std::int64_t count = e0 > s0 ? (e0 - s0 + step - 1) / step : 0;
+  const std::int64_t count = e0 > s0 ? 1 + (e0 - s0 - 1) / step : 0;  // ceil((e0 - s0) / step), no overflow
   Shape out = x.shape();
   out[d] = count;
   std::int64_t outer, inner;
@@ -237,6 +237,11 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<std::int64_t>& size
   std::int64_t total = 0;
   for (std::int64_t s : sizes) {
     if (s < 0) fail("split", "negative size ", s);
+    if (s > x.shape()[d] - total) {  // more than the dim holds (and the int64 sum might overflow)
+      double sum = 0;
+      for (std::int64_t v : sizes) sum += static_cast<double>(v);
+      fail("split", "sizes sum to ", sum, " but dim ", d, " of ", x.shape(), " has ", x.shape()[d]);
+    }
     total += s;
   }
   if (total != x.shape()[d]) fail("split", "sizes sum to ", total, " but dim ", d, " of ", x.shape(), " has ", x.shape()[d]);

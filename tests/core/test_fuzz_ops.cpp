@@ -20,9 +20,9 @@
 // Deterministic: each call draws from its own std::mt19937_64 seed, printed on failure. Replay one
 // call with TAPEGRAD_FUZZ_SEED=<seed> test_core "[fuzz]".
 //
-// Library bugs found by this test are listed in kKnownBugs below: the fuzz steers around them (so
-// the rest keeps running), and the hidden test case "[fuzz_known_bugs]" asserts the correct
-// behaviour for each; remove an entry once its bug is fixed.
+// Library bugs found by this test are listed in kKnownBugs below (all fixed): a flag set to true
+// steers the fuzz around a bug while it is open, and the test case "[fuzz_regressions]" asserts
+// the correct behaviour for each.
 #include <algorithm>
 #include <array>
 #include <cfloat>
@@ -60,49 +60,49 @@ constexpr std::int32_t kI32Min = std::numeric_limits<std::int32_t>::min();
 constexpr std::uint64_t kBaseSeed = 0x7a9e5eedULL;
 
 // ---------------------------------------------------------------------------------------------
-// Known library bugs. Each entry names inputs the fuzz does not generate (or does not compare)
-// because the library currently mishandles them; the hidden "[fuzz_known_bugs]" test asserts the
-// correct behaviour for every entry. Set an entry to false once its bug is fixed.
+// Library bugs this fuzz found, all fixed: each entry, when true, names inputs the fuzz would steer
+// around (a switch for the next bug found); the "[fuzz_regressions]" test asserts the correct
+// behaviour for every entry.
 struct KnownBugs {
   // div(x, s) multiplies by 1/s: for a subnormal s, 1/s overflows, so 0 / s gives NaN and
   // 1e-300 / 1e-310 gives inf (float32: s = 1e-40).
-  bool div_scalar_subnormal = true;
+  bool div_scalar_subnormal = false;
   // relu(NaN) returns 0 (the kernel's x > 0 ? x : 0); PyTorch's relu and the other ops here
   // propagate NaN. The fuzz feeds relu no NaN.
-  bool relu_nan = true;
+  bool relu_nan = false;
   // layer_norm / batch_norm of a constant row of large values: the mean (sum / n in double) is not
   // exactly the value, the variance is then the rounding error squared, far above eps, so x_hat is
   // +-1 instead of 0 (a float64 row of three 1e30 gives -1, -1, -1; any |x| whose mean rounding
   // error exceeds sqrt(eps), about 1e13 and up). The fuzz keeps constant rows below 1e10.
-  bool norm_constant_large_row = true;
+  bool norm_constant_large_row = false;
   // causal_attention with an empty output returns before recording: the output of a requires-grad
   // qkv does not require grad, so backward() on it (or on a loss built from it) throws.
-  bool attention_empty_not_on_tape = true;
+  bool attention_empty_not_on_tape = false;
   // slice: (end - start + step - 1) overflows for step near INT64_MAX (UB; in release a wrong,
   // empty result: slice(x(5), 0, 0, 5, INT64_MAX) has shape (0,) instead of (1,)).
-  bool slice_step_overflow = true;
+  bool slice_step_overflow = false;
   // split(x, sizes): the sum of sizes overflows (UB); {INT64_MAX, INT64_MAX, 5} "sums" to 3 and is
   // accepted for a dim of size 3, returning pieces of sizes 3, 0, ... .
-  bool split_sizes_overflow = true;
+  bool split_sizes_overflow = false;
   // reshape: the element count of the target shape overflows (UB); (2^62 + 1, 4) is accepted for a
   // 4-element tensor, giving a tensor whose shape claims 2^64 + 4 elements over 4 elements of data.
-  bool reshape_numel_overflow = true;
+  bool reshape_numel_overflow = false;
   // composite::causal_attention divides C by n_head without checking it: n_head = 0 is an integer
   // division by zero (SIGFPE). The fused op refuses it with tg::Error.
-  bool composite_attention_zero_heads = true;
+  bool composite_attention_zero_heads = false;
   // prms_k(n, p) converts ceil(n p) to int64 without a range check: NaN, inf or a huge p is an
   // undefined float-to-int conversion; composite::rms_norm passes p through unchecked.
-  bool prms_k_nonfinite_p = true;
+  bool prms_k_nonfinite_p = false;
   // composite::causal_attention refuses a qkv of width 0 (C = 0, valid for the fused op, which
   // returns an empty (B, T, 0)): its scale 1 / sqrt(C / n_head) is inf, which
   // scaled_causal_softmax refuses.
-  bool composite_attention_zero_width = true;
+  bool composite_attention_zero_width = false;
   // scaled_causal_softmax (and causal_attention, same kernel) in builds with FMA (-march=native):
   // the compiler contracts sc * x[j] - m into fma(sc, x[j], -m), so the row maximum's exponent is
   // the rounding error of its product instead of 0. A row whose largest |scale * x| exceeds ~1.5e9
   // (float32) gives NaN instead of a one-hot row (e.g. x = [-1/3], scale = 3e10); smaller ones
   // carry a relative error up to |scale * x| 2^-25 (5e-4 at 1e4 in float32).
-  bool causal_softmax_fma = true;
+  bool causal_softmax_fma = false;
 };
 constexpr KnownBugs kKnownBugs{};
 
@@ -2294,10 +2294,8 @@ TEST_CASE("fuzz: public ops under random shapes, dtypes, axes and values succeed
   }
 }
 
-// The correct behaviour for each entry of kKnownBugs. Hidden (run with "[fuzz_known_bugs]"): these
-// fail until the bugs are fixed. The n_head = 0 case kills the process (SIGFPE), so it runs only
-// with TAPEGRAD_FUZZ_CRASHING=1 (Catch2 also runs hidden tests under a filter of exclusions only).
-TEST_CASE("fuzz known bugs: the correct behaviour for each case the fuzz steers around", "[.][fuzz_known_bugs]") {
+// The correct behaviour for each entry of kKnownBugs: regression tests for the bugs the fuzz found.
+TEST_CASE("fuzz regressions: the correct behaviour for each bug the fuzz found", "[fuzz_regressions]") {
   SECTION("div_scalar_subnormal: x / s for a subnormal s") {
     const Tensor x = tg::tensor({0.0, 1e-300, -2.0}, {3}, tg::float64);
     tgtest::check_close(tg::div(x, 1e-310), {0.0, 1e-300 / 1e-310, -kInf});
@@ -2342,11 +2340,7 @@ TEST_CASE("fuzz known bugs: the correct behaviour for each case the fuzz steers 
       tgtest::check_close(tg::scaled_causal_softmax(x, scale), {1.0, 0.0, 0.5, 0.5});
     }
   }
-  SECTION("composite_attention_zero_heads: n_head = 0 is refused with tg::Error (currently SIGFPE)") {
-    if (!std::getenv("TAPEGRAD_FUZZ_CRASHING")) {
-      WARN("not run: set TAPEGRAD_FUZZ_CRASHING=1 (the call currently kills the process)");
-      return;
-    }
+  SECTION("composite_attention_zero_heads: n_head = 0 is refused with tg::Error (was SIGFPE)") {
     REQUIRE_TG_ERROR(tg::composite::causal_attention(tg::ones({1, 2, 6}), 0), "n_head");
   }
 }

@@ -68,22 +68,58 @@ struct GradDest {
   template <class T> T* ptr() { return buf.defined() ? buf.data<T>() : nullptr; }
 };
 
+// A node's array of inputs, outputs, shapes or saved tensors: its length is known when the node is
+// recorded, so it is carved once from the tape's arena; destroy() runs the elements' destructors
+// (the memory goes back with the arena).
+template <class T>
+class NodeArray {
+ public:
+  NodeArray() = default;
+  NodeArray(T* p, std::size_t n) : p_(p), n_(n) {}
+  NodeArray(NodeArray&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
+  NodeArray& operator=(NodeArray&& o) noexcept {
+    if (this != &o) {
+      destroy();
+      p_ = o.p_, n_ = o.n_;
+      o.p_ = nullptr, o.n_ = 0;
+    }
+    return *this;
+  }
+  NodeArray(const NodeArray&) = delete;
+  ~NodeArray() { destroy(); }
+  T* begin() { return p_; }
+  T* end() { return p_ + n_; }
+  const T* begin() const { return p_; }
+  const T* end() const { return p_ + n_; }
+  std::size_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+  T& operator[](std::size_t i) { return p_[i]; }
+  const T& operator[](std::size_t i) const { return p_[i]; }
+  void destroy() {
+    for (std::size_t i = 0; i < n_; ++i) p_[i].~T();
+    n_ = 0;
+  }
+
+ private:
+  T* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
 struct Node {
-  template <class T> using Vec = std::pmr::vector<T>;
-  explicit Node(std::pmr::memory_resource* mr) : inputs(mr), outputs(mr), input_shapes(mr), saved(mr) {}
+  Node() = default;
   Node(Node&& o) noexcept;
   Node& operator=(Node&&) = delete;
   Node(const Node&) = delete;
   ~Node() { release_backward(); }
 
-  const char* op = "";                          // static string naming the op
-  Vec<std::shared_ptr<AutogradMeta>> inputs;    // null where an input needs no gradient
-  Vec<std::shared_ptr<AutogradMeta>> outputs;
-  Vec<Shape> input_shapes;                      // for printing and error messages
-  std::uint64_t undefined_inputs = 0;           // bit i: input i was an undefined tensor (optional)
-  Vec<Tensor> saved;                            // what backward reads (activations)
+  const char* op = "";                                // static string naming the op
+  NodeArray<std::shared_ptr<AutogradMeta>> inputs;    // null where an input needs no gradient
+  NodeArray<std::shared_ptr<AutogradMeta>> outputs;
+  NodeArray<Shape> input_shapes;                      // for printing and error messages
+  std::uint64_t undefined_inputs = 0;                 // bit i: input i was an undefined tensor (optional)
+  NodeArray<Tensor> saved;                            // what backward reads (activations)
   BackwardFn backward;
-  bool freed = false;                           // consumed by a backward, or unreachable
+  bool freed = false;                                 // consumed by a backward, or unreachable
 
   // The gradient flowing into output i (undefined if nothing downstream reached it).
   const Tensor& grad_out(std::size_t i = 0) const;
