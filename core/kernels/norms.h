@@ -39,6 +39,20 @@ std::vector<double> rows_with_partials(std::int64_t rows, std::int64_t width, st
   return part;
 }
 
+// sum_{j < n} f(j) in double, as 8 interleaved partial sums added in a fixed order at the end: the
+// compiler keeps them in vector registers (an OpenMP simd reduction over float data compiled to
+// gathers and stack spills here), and the bits do not depend on anything but n.
+template <class F>
+inline double sum8(std::int64_t n, F&& f) {
+  double p[8] = {};
+  std::int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) p[l] += f(j + l);
+  double tail = 0;
+  for (; j < n; ++j) tail += f(j);
+  return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7])) + tail;
+}
+
 // Adds the first n entries of src (the dg part, then the db part) into optional outputs.
 template <class T>
 void add_param_grads(const std::vector<double>& tot, std::int64_t C, T* dg, T* db) {
@@ -58,6 +72,11 @@ void add_param_grads(const std::vector<double>& tot, std::int64_t C, T* dg, T* d
 template <class T>
 void layer_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, T* rstd, std::int64_t rows,
                         std::int64_t C, double eps) {
+  std::vector<T> ones, zeros;  // no gain / no bias: ones / zeros, so the loop has no branch
+  if (!g) ones.assign(static_cast<std::size_t>(C), T(1));
+  if (!b) zeros.assign(static_cast<std::size_t>(C), T(0));
+  const T* gg = g ? g : ones.data();
+  const T* bb = b ? b : zeros.data();
   parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t r = lo; r < hi; ++r) {
       const T* xr = x + r * C;
@@ -67,26 +86,15 @@ void layer_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, 
       // mean of three 1e30 is off by an ulp, and the ulp divided by itself is +-1). An infinite
       // x0 would turn the deviations into NaN: then no shift.
       const double x0 = std::isfinite(xr[0]) ? static_cast<double>(xr[0]) : 0.0;
-      double mu = 0;
-      TG_PRAGMA(omp simd reduction(+ : mu))
-      for (std::int64_t j = 0; j < C; ++j) mu += xr[j] - x0;
-      mu = x0 + mu / static_cast<double>(C);
-      double var = 0;
-      TG_PRAGMA(omp simd reduction(+ : var))
-      for (std::int64_t j = 0; j < C; ++j) {
-        const double d = xr[j] - mu;
-        var += d * d;
-      }
-      var /= static_cast<double>(C);
+      const double mu = x0 + sum8(C, [&](std::int64_t j) { return xr[j] - x0; }) / static_cast<double>(C);
+      const double var = sum8(C, [&](std::int64_t j) {
+                           const double d = xr[j] - mu;
+                           return d * d;
+                         }) / static_cast<double>(C);
       const double rs = 1.0 / std::sqrt(var + eps);
       mean[r] = mu;
       rstd[r] = static_cast<T>(rs);
-      for (std::int64_t j = 0; j < C; ++j) {
-        T v = static_cast<T>((xr[j] - mu) * rs);
-        if (g) v *= g[j];
-        if (b) v += b[j];
-        yr[j] = v;
-      }
+      for (std::int64_t j = 0; j < C; ++j) yr[j] = static_cast<T>((xr[j] - mu) * rs) * gg[j] + bb[j];
     }
   });
 }
@@ -95,30 +103,25 @@ void layer_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, 
 template <class T>
 void layer_norm_backward(const T* x, const T* g, const double* mean, const T* rstd, const T* dy, T* dx, T* dg, T* db,
                          std::int64_t rows, std::int64_t C, bool acc_dx) {
+  std::vector<T> ones;
+  if (!g) ones.assign(static_cast<std::size_t>(C), T(1));
+  const T* gg = g ? g : ones.data();
   with_acc(acc_dx, [&](auto A) {
   const std::vector<double> tot = rows_with_partials(rows, 2 * C, rows * C, [&](std::int64_t r, double* acc) {
     const T* xr = x + r * C;
     const T* gr = dy + r * C;
     const double mu = mean[r], rs = rstd[r];
-    double m1 = 0, m2 = 0;
-    TG_PRAGMA(omp simd reduction(+ : m1, m2))
-    for (std::int64_t j = 0; j < C; ++j) {
-      const double xh = (xr[j] - mu) * rs;
-      const double dxh = g ? static_cast<double>(gr[j]) * g[j] : gr[j];
-      m1 += dxh;
-      m2 += dxh * xh;
-      acc[j] += gr[j] * xh;
-      acc[C + j] += gr[j];
-    }
+    auto xhat = [&](std::int64_t j) { return (xr[j] - mu) * rs; };
+    auto dxhat = [&](std::int64_t j) { return static_cast<double>(gr[j]) * gg[j]; };
+    const double m1 = sum8(C, dxhat) / static_cast<double>(C);
+    const double m2 = sum8(C, [&](std::int64_t j) { return dxhat(j) * xhat(j); }) / static_cast<double>(C);
+    if (dg)
+      for (std::int64_t j = 0; j < C; ++j) acc[j] += gr[j] * xhat(j);
+    if (db)
+      for (std::int64_t j = 0; j < C; ++j) acc[C + j] += gr[j];
     if (!dx) return;
-    m1 /= static_cast<double>(C);
-    m2 /= static_cast<double>(C);
     T* dr = dx + r * C;
-    for (std::int64_t j = 0; j < C; ++j) {
-      const double xh = (xr[j] - mu) * rs;
-      const double dxh = g ? static_cast<double>(gr[j]) * g[j] : gr[j];
-      put<decltype(A)>(dr[j], static_cast<T>(rs * (dxh - m1 - xh * m2)));
-    }
+    for (std::int64_t j = 0; j < C; ++j) put<decltype(A)>(dr[j], static_cast<T>(rs * (dxhat(j) - m1 - xhat(j) * m2)));
   });
   add_param_grads(tot, C, dg, db);
   });
@@ -130,22 +133,24 @@ void layer_norm_backward(const T* x, const T* g, const double* mean, const T* rs
 template <class T>
 void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::int64_t rows, std::int64_t C,
                       std::int64_t k, double eps) {
+  // No gain means a gain of ones: one branch-free loop either way.
+  std::vector<T> ones;
+  if (!g) ones.assign(static_cast<std::size_t>(C), T(1));
+  const T* gg = g ? g : ones.data();
   parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t r = lo; r < hi; ++r) {
       const T* xr = x + r * C;
       T* yr = y + r * C;
-      double ms = 0;
-      TG_PRAGMA(omp simd reduction(+ : ms))
-      for (std::int64_t j = 0; j < k; ++j) ms += static_cast<double>(xr[j]) * xr[j];
-      ms /= static_cast<double>(k);
+      const double ms = sum8(k, [&](std::int64_t j) { return static_cast<double>(xr[j]) * xr[j]; }) / static_cast<double>(k);
       const double rr = 1.0 / std::sqrt(ms + eps);
       rrms[r] = static_cast<T>(rr);
-      for (std::int64_t j = 0; j < C; ++j) {
-        T v = static_cast<T>(xr[j] * rr);
-        if (g) v *= g[j];
-        if (b) v += b[j];
-        yr[j] = v;
-      }
+      // The statistic is in double; the elementwise scaling in T, like PyTorch's (one rounding
+      // more than scaling in double, and twice the vector width).
+      const T rt = static_cast<T>(rr);
+      if (b)
+        for (std::int64_t j = 0; j < C; ++j) yr[j] = xr[j] * rt * gg[j] + b[j];
+      else
+        for (std::int64_t j = 0; j < C; ++j) yr[j] = xr[j] * rt * gg[j];
     }
   });
 }
@@ -153,29 +158,28 @@ void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::in
 //   da_i = g_i dy_i / r  -  [i < k] a_i / (k r^3) * sum_{j < n} g_j dy_j a_j
 // (the sum runs over all n outputs, since every y_j is divided by r; only the d r / d a_i factor
 // is restricted to the first k features);  dg += sum_rows dy a / r;  db += sum_rows dy.
+// The row sum and the parameter sums are in double; the elementwise terms in T.
 template <class T>
 void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx, T* dg, T* db, std::int64_t rows,
                        std::int64_t C, std::int64_t k, bool acc_dx) {
+  std::vector<T> ones;
+  if (!g) ones.assign(static_cast<std::size_t>(C), T(1));
+  const T* gg = g ? g : ones.data();
   with_acc(acc_dx, [&](auto A) {
   const std::vector<double> tot = rows_with_partials(rows, 2 * C, rows * C, [&](std::int64_t r, double* acc) {
     const T* xr = x + r * C;
     const T* gr = dy + r * C;
     const double rr = rrms[r];
-    double s = 0;
-    TG_PRAGMA(omp simd reduction(+ : s))
-    for (std::int64_t j = 0; j < C; ++j) {
-      const double gdy = g ? static_cast<double>(gr[j]) * g[j] : gr[j];
-      s += gdy * xr[j];
-      acc[j] += gr[j] * xr[j] * rr;
-      acc[C + j] += gr[j];
-    }
+    const double s = sum8(C, [&](std::int64_t j) { return static_cast<double>(gr[j] * gg[j]) * xr[j]; });
+    if (dg)
+      for (std::int64_t j = 0; j < C; ++j) acc[j] += static_cast<double>(gr[j] * xr[j]) * rr;
+    if (db)
+      for (std::int64_t j = 0; j < C; ++j) acc[C + j] += gr[j];
     if (!dx) return;
     T* dr = dx + r * C;
-    const double c2 = s * rr * rr * rr / static_cast<double>(k);
-    for (std::int64_t j = 0; j < C; ++j) {
-      const double gdy = g ? static_cast<double>(gr[j]) * g[j] : gr[j];
-      put<decltype(A)>(dr[j], static_cast<T>(gdy * rr - (j < k ? xr[j] * c2 : 0.0)));
-    }
+    const T rt = static_cast<T>(rr), c2 = static_cast<T>(s * rr * rr * rr / static_cast<double>(k));
+    for (std::int64_t j = 0; j < k; ++j) put<decltype(A)>(dr[j], gr[j] * gg[j] * rt - xr[j] * c2);
+    for (std::int64_t j = k; j < C; ++j) put<decltype(A)>(dr[j], gr[j] * gg[j] * rt);
   });
   add_param_grads(tot, C, dg, db);
   });
