@@ -120,9 +120,12 @@ Storage::~Storage() {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   if (c.bytes + size <= kMaxCached) {
-    c.list(size).push_back(data);
-    c.bytes += size;
-    return;
+    try {  // noting the block may allocate; out of memory, the block simply goes back to the system
+      c.list(size).push_back(data);
+      c.bytes += size;
+      return;
+    } catch (const std::bad_alloc&) {
+    }
   }
 #endif
   std::free(data);

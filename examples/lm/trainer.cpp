@@ -3,9 +3,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -134,14 +137,46 @@ std::string fmt_eta(double seconds) {
 
 }  // namespace
 
+namespace {
+// A double in text that reads back to the same bits.
+std::string exact(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+// Checkpoint metadata values, parsed strictly: a damaged value is a tg::Error naming the key.
+const std::string& meta_value(const Metadata& meta, const std::string& key, const std::string& file) {
+  auto it = meta.find(key);
+  if (it == meta.end()) fail("resume", file, " has no '", key, "' entry");
+  return it->second;
+}
+std::uint64_t meta_u64(const Metadata& meta, const std::string& key, const std::string& file) {
+  const std::string& v = meta_value(meta, key, file);
+  std::uint64_t out = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+  if (ec != std::errc() || end != v.data() + v.size() || v.empty())
+    fail("resume", file, ": '", key, "' is not an unsigned integer: '", v, "'");
+  return out;
+}
+double meta_double(const Metadata& meta, const std::string& key, const std::string& file) {
+  const std::string& v = meta_value(meta, key, file);
+  char* end = nullptr;
+  const double out = std::strtod(v.c_str(), &end);
+  if (v.empty() || end != v.c_str() + v.size()) fail("resume", file, ": '", key, "' is not a number: '", v, "'");
+  return out;  // NaN allowed: best_val before the first evaluation
+}
+}  // namespace
+
 TrainConfig read_checkpoint_config(const std::string& dir) {
   Metadata meta;
   const fs::path ck = fs::path(dir) / "checkpoint.safetensors";
   if (!fs::exists(ck)) fail("resume", "no checkpoint in '", dir, "' (expected ", ck.string(), ")");
   load_safetensors(ck.string(), &meta);
   if (meta["format"] != kFormat) fail("resume", ck.string(), " is not a train_lm checkpoint");
+  const std::string& text = meta_value(meta, "config", ck.string());
   try {
-    return config_from_json(json::parse(meta.at("config")));
+    return config_from_json(json::parse(text));
   } catch (const json::exception& e) {
     fail("resume", "bad config in ", ck.string(), ": ", e.what());
   }
@@ -174,6 +209,27 @@ RunResult train(const TrainConfig& cfg_in, const Corpus& corpus, bool resume) {
   if (cfg.eval_interval < 1) fail("train", "eval interval must be >= 1, got ", cfg.eval_interval);
   const std::string norm = nn::to_string(cfg.model.norm);
 
+  // On resume, read the checkpoint first and hold the configuration against its tensors before
+  // building anything: a damaged config (n_layer 4294967296, n_embd 1e9) must be refused, not
+  // allocated.
+  Metadata ck_meta;
+  StateDict ck_all;
+  if (resume) {
+    ck_all = load_safetensors((fs::path(cfg.out) / "checkpoint.safetensors").string(), &ck_meta);
+    const std::string file = (fs::path(cfg.out) / "checkpoint.safetensors").string();
+    auto expect = [&](const std::string& key, const Shape& shape) {
+      if (!ck_all.contains(key)) fail("resume", file, " has no tensor '", key, "'");
+      if (!(ck_all.at(key).shape() == shape))
+        fail("resume", file, ": '", key, "' is ", ck_all.at(key).shape(), " but the config asks for ", shape);
+    };
+    expect("model.wte.weight", Shape{cfg.model.vocab_size, cfg.model.n_embd});
+    expect("model.wpe.weight", Shape{cfg.model.block_size, cfg.model.n_embd});
+    const std::string last = "model.blocks." + std::to_string(cfg.model.n_layer - 1) + ".attn.qkv.weight";
+    expect(last, Shape{3 * cfg.model.n_embd, cfg.model.n_embd});
+    if (ck_all.contains("model.blocks." + std::to_string(cfg.model.n_layer) + ".attn.qkv.weight"))
+      fail("resume", file, " has more blocks than the config's n_layer ", cfg.model.n_layer);
+  }
+
   manual_seed(cfg.seed);  // weights and dropout
   nn::GPT model(cfg.model);
   std::vector<Tensor> decay, no_decay;  // weight decay on matrices only, as the reference
@@ -195,8 +251,8 @@ RunResult train(const TrainConfig& cfg_in, const Corpus& corpus, bool resume) {
   if (!cfg.out.empty()) fs::create_directories(dir);
 
   if (resume) {
-    Metadata meta;
-    StateDict all = load_safetensors(ckpt.string(), &meta);
+    Metadata& meta = ck_meta;
+    StateDict& all = ck_all;
     if (meta["format"] != kFormat) fail("resume", ckpt.string(), " is not a train_lm checkpoint");
     if (meta["vocab"] != corpus.vocab_utf8()) fail("resume", "the corpus '", corpus.path, "' has a different vocabulary from the checkpoint's");
     StateDict msd, osd;
@@ -206,10 +262,13 @@ RunResult train(const TrainConfig& cfg_in, const Corpus& corpus, bool resume) {
     }
     model.load_state_dict(msd);
     opt.load_state_dict(osd);
-    start = std::stoll(meta.at("step"));
-    batch_gen.set_state(std::stoull(meta.at("batch_rng_seed")), std::stoull(meta.at("batch_rng_offset")));
-    default_generator().set_state(std::stoull(meta.at("rng_seed")), std::stoull(meta.at("rng_offset")));
-    r.best_val = std::stod(meta.at("best_val"));
+    const std::string file = ckpt.string();
+    const std::uint64_t step = meta_u64(meta, "step", file);
+    if (step > (std::uint64_t(1) << 62)) fail("resume", file, ": step ", step, " is out of range");
+    start = static_cast<std::int64_t>(step);
+    batch_gen.set_state(meta_u64(meta, "batch_rng_seed", file), meta_u64(meta, "batch_rng_offset", file));
+    default_generator().set_state(meta_u64(meta, "rng_seed", file), meta_u64(meta, "rng_offset", file));
+    r.best_val = meta_double(meta, "best_val", file);
   }
   r.start_step = start;
 
@@ -220,8 +279,14 @@ RunResult train(const TrainConfig& cfg_in, const Corpus& corpus, bool resume) {
       std::ifstream in(dir / name);
       std::string line;
       std::getline(in, line);
-      while (std::getline(in, line))
-        if (!line.empty() && std::stoll(line.substr(0, line.find(','))) <= start) kept += line + "\n";
+      while (std::getline(in, line)) {
+        // Rows up to the checkpoint's step; a torn last row (a kill mid-write) is dropped.
+        std::int64_t step = 0;
+        const auto [end, ec] = std::from_chars(line.data(), line.data() + line.size(), step);
+        if (ec == std::errc() && end != line.data() + line.size() && *end == ',' && step <= start &&
+            std::count(line.begin(), line.end(), ',') == std::count(header, header + std::strlen(header), ','))
+          kept += line + "\n";
+      }
     }
     write_atomic(dir / name, kept);
     return std::ofstream(dir / name, std::ios::app);
@@ -234,6 +299,9 @@ RunResult train(const TrainConfig& cfg_in, const Corpus& corpus, bool resume) {
 
   auto save_checkpoint = [&](std::int64_t step) {
     if (cfg.out.empty() || !cfg.checkpoints) return;
+    // The logs reach the disk before the checkpoint that vouches for their rows.
+    metrics.flush();
+    steplog.flush();
     StateDict all;
     for (const auto& [k, t] : model.state_dict()) all.insert("model." + k, t);
     for (const auto& [k, t] : opt.state_dict()) all.insert("optim." + k, t);
@@ -245,7 +313,7 @@ RunResult train(const TrainConfig& cfg_in, const Corpus& corpus, bool resume) {
                   {"batch_rng_offset", std::to_string(batch_gen.offset())},
                   {"rng_seed", std::to_string(default_generator().seed())},
                   {"rng_offset", std::to_string(default_generator().offset())},
-                  {"best_val", std::to_string(r.best_val)}};
+                  {"best_val", exact(r.best_val)}};
     save_safetensors(ckpt.string(), all, meta);  // temporary file, fsync, rename
   };
 
