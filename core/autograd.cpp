@@ -403,12 +403,13 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   // A retained non-leaf gradient (retain_grad) is both what the user reads and the buffer its node
   // reads during the walk: what an earlier backward left in it must not flow again. Pass 1 notes
   // them; they are set aside once the pass has found nothing to refuse, and added back afterwards.
-  std::vector<AutogradMeta*> retained;
-  auto note = [&](AutogradMeta& m) {
-    if (m.node >= 0 && m.retains_grad && m.grad.defined()) retained.push_back(&m);
+  // (Owning pointers: freeing the walked nodes may drop the last other owner of a slot.)
+  std::vector<std::shared_ptr<AutogradMeta>> retained;
+  auto note = [&](const std::shared_ptr<AutogradMeta>& m) {
+    if (m->node >= 0 && m->retains_grad && m->grad.defined()) retained.push_back(m);
   };
   rm.visit = mark;
-  note(rm);
+  note(root.meta());
   for (std::int64_t i = rm.node; i >= 0; --i) {
     Node& n = tp.node(static_cast<std::size_t>(i));
     bool reached = false;
@@ -418,16 +419,16 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
     for (const auto& in : n.inputs)
       if (in && in->visit != mark) {
         in->visit = mark;
-        note(*in);
+        note(in);
       }
   }
-  std::vector<std::pair<AutogradMeta*, Tensor>> kept;
-  for (AutogradMeta* m : retained) {
+  std::vector<std::pair<std::shared_ptr<AutogradMeta>, Tensor>> kept;
+  for (auto& m : retained) {
     kept.emplace_back(m, m->grad);
     m->grad = Tensor();
   }
   struct Restore {  // also when a backward kernel or anomaly mode throws
-    std::vector<std::pair<AutogradMeta*, Tensor>>& kept;
+    std::vector<std::pair<std::shared_ptr<AutogradMeta>, Tensor>>& kept;
     ~Restore() {
       for (auto& [m, old] : kept) {
         if (m->grad.defined()) {
@@ -444,9 +445,11 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   } restore{kept};
 
   // Seed the root's gradient. An intermediate root whose gradient nobody keeps is only read by its
-  // own node, so it may share the caller's tensor; a leaf's or a retained gradient accumulates (so
-  // backward on a leaf, or twice with keep_tape, adds up) into a buffer of its own.
-  if (!rm.grad.defined() && rm.node >= 0 && !rm.retains_grad) {
+  // own node, so it may share the caller's tensor, provided nothing else holds that memory (it
+  // could be another tensor's gradient, written during this walk: y.backward(x.grad())); a leaf's
+  // or a retained gradient accumulates (so backward on a leaf, or twice with keep_tape, adds up)
+  // into a buffer of its own.
+  if (!rm.grad.defined() && rm.node >= 0 && !rm.retains_grad && seed.storage_unique()) {
     rm.grad = seed.detach();
   } else {
     Tensor g = rm.grad_accumulator();

@@ -63,12 +63,23 @@ namespace {
 constexpr std::size_t kLocalMax = 4096;
 constexpr std::size_t kLocalBytes = std::size_t(16) << 20;  // per thread; beyond it blocks go to the cache
 
+// Freed with the thread; a block dropped after that goes to the shared cache.
 struct LocalLists {
   std::vector<void*> lists[kLocalMax / kAlign + 1];
   std::size_t bytes = 0;
-  static LocalLists& mine() {
-    thread_local LocalLists* l = new LocalLists();  // never destroyed, as the cache
-    return *l;
+  ~LocalLists() {
+    for (auto& blocks : lists)
+      for (void* p : blocks) std::free(p);
+    alive() = false;
+  }
+  static bool& alive() {
+    thread_local bool a = true;  // trivially destructible: readable until the thread is gone
+    return a;
+  }
+  static LocalLists* mine() {
+    if (!alive()) return nullptr;
+    thread_local LocalLists l;
+    return &l;
   }
 };
 }  // namespace
@@ -76,13 +87,12 @@ struct LocalLists {
 Storage::Storage(std::size_t n) : nbytes(n) {
   const std::size_t size = rounded(n);
 #if TG_CACHE_ENABLED
-  if (size <= kLocalMax) {
-    LocalLists& local = LocalLists::mine();
-    std::vector<void*>& mine = local.lists[size / kAlign];
+  if (LocalLists* local = size <= kLocalMax ? LocalLists::mine() : nullptr) {
+    std::vector<void*>& mine = local->lists[size / kAlign];
     if (!mine.empty()) {
       data = mine.back();
       mine.pop_back();
-      local.bytes -= size;
+      local->bytes -= size;
       return;
     }
   }
@@ -105,12 +115,11 @@ Storage::Storage(std::size_t n) : nbytes(n) {
 Storage::~Storage() {
 #if TG_CACHE_ENABLED
   const std::size_t size = rounded(nbytes);
-  if (size <= kLocalMax) {
-    LocalLists& local = LocalLists::mine();
-    if (local.bytes + size <= kLocalBytes) {
+  if (LocalLists* local = size <= kLocalMax ? LocalLists::mine() : nullptr) {
+    if (local->bytes + size <= kLocalBytes) {
       try {
-        local.lists[size / kAlign].push_back(data);
-        local.bytes += size;
+        local->lists[size / kAlign].push_back(data);
+        local->bytes += size;
         return;
       } catch (const std::bad_alloc&) {
         // no room to note it: hand it to the shared cache below
@@ -134,16 +143,18 @@ Storage::~Storage() {
 std::size_t cached_bytes() {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
-  return c.bytes + LocalLists::mine().bytes;
+  const LocalLists* local = LocalLists::mine();
+  return c.bytes + (local ? local->bytes : 0);
 }
 
 void empty_cache() {
-  LocalLists& local = LocalLists::mine();
-  for (auto& blocks : local.lists) {
-    for (void* p : blocks) std::free(p);
-    blocks.clear();
+  if (LocalLists* local = LocalLists::mine()) {
+    for (auto& blocks : local->lists) {
+      for (void* p : blocks) std::free(p);
+      blocks.clear();
+    }
+    local->bytes = 0;
   }
-  local.bytes = 0;
   cache().release();
 }
 

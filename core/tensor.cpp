@@ -20,16 +20,25 @@ std::atomic<std::uint64_t> next_meta_id{1};
 // trimmed back to the system and faulted in again on the next step, which cost more than the ops.
 // A block freed on another thread joins that thread's list (any block fits any list of its size);
 // each list keeps at most kPoolMax blocks and frees the rest.
-// The lists are never destroyed: a tensor held in a static may be dropped after this thread's
-// thread_local objects are gone. Under AddressSanitizer blocks go straight back to the heap, so
-// use-after-free stays detectable.
+// A thread's list is freed when the thread ends; a block dropped after that (a tensor held in a
+// static, or by another thread_local) goes straight to the heap, as every block does under
+// AddressSanitizer (so use-after-free stays detectable).
 template <std::size_t Size>
 struct BlockPool {
   static constexpr std::size_t kPoolMax = std::size_t(1) << 18;
   std::vector<void*> free;
-  static BlockPool& mine() {
-    thread_local BlockPool* pool = new BlockPool();
-    return *pool;
+  ~BlockPool() {
+    for (void* p : free) ::operator delete(p);
+    alive() = false;
+  }
+  static bool& alive() {
+    thread_local bool a = true;  // trivially destructible: readable until the thread is gone
+    return a;
+  }
+  static BlockPool* mine() {
+    if (!alive()) return nullptr;
+    thread_local BlockPool pool;
+    return &pool;
   }
 };
 #if defined(__SANITIZE_ADDRESS__)
@@ -46,18 +55,18 @@ struct PoolAllocator {
   PoolAllocator(const PoolAllocator<U>&) noexcept {}
   T* allocate(std::size_t n) {
     if (n != 1 || !kPoolOn) return static_cast<T*>(::operator new(n * sizeof(T)));
-    auto& pool = BlockPool<sizeof(T)>::mine();
-    if (pool.free.empty()) return static_cast<T*>(::operator new(sizeof(T)));
-    void* p = pool.free.back();
-    pool.free.pop_back();
+    auto* pool = BlockPool<sizeof(T)>::mine();
+    if (!pool || pool->free.empty()) return static_cast<T*>(::operator new(sizeof(T)));
+    void* p = pool->free.back();
+    pool->free.pop_back();
     return static_cast<T*>(p);
   }
   void deallocate(T* p, std::size_t n) noexcept {
     if (n != 1 || !kPoolOn) return ::operator delete(p);
-    auto& pool = BlockPool<sizeof(T)>::mine();
-    if (pool.free.size() >= BlockPool<sizeof(T)>::kPoolMax) return ::operator delete(p);
+    auto* pool = BlockPool<sizeof(T)>::mine();
+    if (!pool || pool->free.size() >= BlockPool<sizeof(T)>::kPoolMax) return ::operator delete(p);
     try {
-      pool.free.push_back(p);
+      pool->free.push_back(p);
     } catch (...) {
       ::operator delete(p);
     }

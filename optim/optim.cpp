@@ -326,11 +326,17 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
     dispatch("clip_grad_norm", g.dtype(), [&](auto z) {
       using T = decltype(z);
       const T* d = g.data<T>();
-      double s = 0;
       const std::int64_t n = g.numel();
-      TG_PRAGMA(omp parallel for reduction(+ : s) schedule(static) if (n >= (1 << 15)))
-      for (std::int64_t k = 0; k < n; ++k) s += static_cast<double>(d[k]) * d[k];
-      total += s;
+      // Per-thread partial sums added in thread order (an OpenMP reduction's order is unspecified):
+      // the same norm, bit for bit, on every run with the same thread count.
+      std::vector<double> part(static_cast<std::size_t>(omp_get_max_threads()), 0.0);
+      kernels::parallel_region(n, [&](int t, int nt) {
+        double s = 0;
+        for (std::int64_t k = kernels::chunk_begin(n, t, nt); k < kernels::chunk_begin(n, t + 1, nt); ++k)
+          s += static_cast<double>(d[k]) * d[k];
+        part[static_cast<std::size_t>(t)] = s;
+      });
+      for (double s : part) total += s;
     });
   }
   total = std::sqrt(total);

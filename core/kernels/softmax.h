@@ -4,13 +4,13 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "kernels/fastmath.h"
 #include "kernels/parallel.h"
 
 namespace tg::kernels {
 
-inline constexpr int kMaxPartials = 256;  // per-thread partial sums kept by a reduction
 
 // y = exp(x - max) / sum exp(x - max). A row that is entirely -inf (fully masked) gives NaN, as in PyTorch.
 template <class T>
@@ -91,7 +91,7 @@ double cross_entropy_forward(const T* x, const std::int32_t* t, T* lse, std::int
                              std::int64_t ignore_index) {
   // Per-thread partial sums added in thread order (not an OpenMP reduction, whose combining order
   // is unspecified): the same loss bits on every run with the same thread count.
-  double part[kMaxPartials] = {};
+  std::vector<double> part(static_cast<std::size_t>(omp_get_max_threads()), 0.0);
   parallel_region(rows * C, [&](int th, int nt) {
     double total = 0;
     for (std::int64_t r = chunk_begin(rows, th, nt); r < chunk_begin(rows, th + 1, nt); ++r) {
@@ -104,7 +104,7 @@ double cross_entropy_forward(const T* x, const std::int32_t* t, T* lse, std::int
       lse[r] = static_cast<T>(l);
       if (t[r] != ignore_index) total += l - xr[t[r]];
     }
-    part[th % kMaxPartials] += total;  // teams are far smaller than kMaxPartials
+    part[static_cast<std::size_t>(th)] = total;
   });
   double total = 0;
   for (double v : part) total += v;

@@ -262,6 +262,8 @@ RunResult train(const TrainConfig& cfg_in, const Corpus& corpus, bool resume) {
     }
     model.load_state_dict(msd);
     opt.load_state_dict(osd);
+    msd = StateDict();
+    osd = StateDict();
     const std::string file = ckpt.string();
     const std::uint64_t step = meta_u64(meta, "step", file);
     if (step > (std::uint64_t(1) << 62)) fail("resume", file, ": step ", step, " is out of range");
@@ -269,6 +271,7 @@ RunResult train(const TrainConfig& cfg_in, const Corpus& corpus, bool resume) {
     batch_gen.set_state(meta_u64(meta, "batch_rng_seed", file), meta_u64(meta, "batch_rng_offset", file));
     default_generator().set_state(meta_u64(meta, "rng_seed", file), meta_u64(meta, "rng_offset", file));
     r.best_val = meta_double(meta, "best_val", file);
+    all = StateDict();  // copied into the model and the optimiser: not kept for the whole run
   }
   r.start_step = start;
 
@@ -344,7 +347,16 @@ RunResult train(const TrainConfig& cfg_in, const Corpus& corpus, bool resume) {
       if (std::isfinite(lv)) {
         opt.zero_grad();
         loss.backward();
-        if (cfg.grad_clip > 0) gnorm = optim::clip_grad_norm(params, cfg.grad_clip);
+        if (cfg.grad_clip > 0) {
+          gnorm = optim::clip_grad_norm(params, cfg.grad_clip);
+        } else {  // no clipping: still refuse a non-finite gradient before the step
+          for (const Tensor& p : params) {
+            const Tensor g = p.grad();
+            if (!g.defined()) continue;
+            const std::vector<float> v = g.to_vector<float>();
+            for (float e : v) gnorm += std::isfinite(e) ? 0.0 : e;
+          }
+        }
       }
     }
     if (!std::isfinite(lv) || !std::isfinite(gnorm)) {

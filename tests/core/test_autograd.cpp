@@ -331,3 +331,30 @@ TEST_CASE("anomaly mode changes no result when everything is finite") {
   CHECK(x.grad().to_vector<double>() == gx);
   CHECK(w.grad().to_vector<double>() == gw);
 }
+
+TEST_CASE("an upstream gradient that is another tensor's gradient is not overwritten during the walk") {
+  Tensor x = tensor({1, 2, 3, 4}, {4}, float64).requires_grad_();
+  Tensor w = tensor({0.5, -1, 2, 3}, {4}, float64).requires_grad_();
+  sum(x * w).backward();  // x.grad = w, w.grad = x
+  Tensor y = x * w;
+  y.backward(x.grad());   // adds x.grad * w into x.grad and x.grad * x into w.grad
+  const std::vector<double> xv{1, 2, 3, 4}, wv{0.5, -1, 2, 3};
+  for (std::size_t i = 0; i < 4; ++i) {
+    CHECK(x.grad().to_vector<double>()[i] == wv[i] + wv[i] * wv[i]);
+    CHECK(w.grad().to_vector<double>()[i] == xv[i] + wv[i] * xv[i]);
+  }
+}
+
+TEST_CASE("a retained gradient survives a backward that frees the last node holding its tensor") {
+  Tensor x = tensor({1, 2, 3}, {3}, float64).requires_grad_();
+  Tensor loss;
+  {
+    Tensor h = x * 2.0;
+    h.retain_grad();
+    loss = sum(h * 3.0);
+    loss.backward(Tensor(), true);
+  }  // h dropped: only the tape's nodes hold its slot
+  loss.backward();
+  CHECK(x.grad().to_vector<double>() == std::vector<double>{12, 12, 12});
+  CHECK(tape().size() == 0);
+}

@@ -436,8 +436,8 @@ TEST_CASE("train_lm without evaluations (--eval-iters 0) keeps train_log.csv com
   // Every row up to a checkpoint's step must be on disk before the checkpoint is: a resume keeps
   // the rows up to that step and appends from there. The run is killed as soon as its first
   // checkpoint appears, then resumed to the end; its log must equal an uninterrupted run's.
-  // (Fails while the trainer flushes train_log.csv before a checkpoint only when it evaluates:
-  // with --eval-iters 0 the rows still buffered when the checkpoint is written are lost.)
+  // (The trainer once flushed train_log.csv before a checkpoint only when it evaluated: with
+  // --eval-iters 0 the rows still buffered when the checkpoint was written were lost.)
   const fs::path dir = scratch("kill_log");
   const std::string data = make_corpus(dir);
   const fs::path log = dir / "child.log";
