@@ -35,6 +35,7 @@
 
 #include "helpers.h"
 #include "lm/trainer.h"
+#include "lm_helpers.h"
 
 extern char** environ;
 
@@ -72,15 +73,8 @@ void write_file(const fs::path& p, const std::string& bytes) {
 }
 
 // About 5 KB of pseudo-sentences: enough structure to learn, small enough to train on quickly.
-std::string make_corpus(const fs::path& dir) {
-  const char* words[] = {"the", "norm", "of", "a", "row", "is", "its", "root", "mean", "square", "and", "gain"};
-  std::ostringstream s;
-  Generator g(5);
-  for (int i = 0; i < 1200; ++i) s << words[g.next_int(0, 12)] << (i % 11 == 10 ? ".\n" : " ");
-  const fs::path p = dir / "corpus.txt";
-  write_file(p, s.str());
-  return p.string();
-}
+// The shared corpus generator, smaller: these runs only need some text to train on.
+std::string make_corpus(const fs::path& dir) { return lmtest::make_corpus(dir, 1200, 5); }
 
 // ---- child processes ----
 
@@ -928,19 +922,11 @@ TEST_CASE("20000 corrupted checkpoints either resume or are refused with tg::Err
   const fs::path dir = scratch("mutation", /*memory=*/true);
   const std::string data = make_corpus(dir);
   // A real checkpoint: the trainer's own file after 20 steps (dropout on, so the RNG state matters).
-  lm::TrainConfig c;
-  c.data = data;
-  c.model.n_layer = 1;
-  c.model.n_head = 2;
-  c.model.n_embd = 16;
-  c.model.block_size = 16;
-  c.model.dropout = 0.1;
-  c.batch_size = 4;
+  lm::TrainConfig c = lmtest::tiny(data);
   c.steps = 20;
   c.warmup = 5;
   c.eval_interval = 10;
   c.eval_iters = 1;
-  c.progress = false;
   c.out = (dir / "source").string();
   lm::train(c, lm::load_corpus(data, 16));
   const std::string good = read_file(dir / "source" / "checkpoint.safetensors");

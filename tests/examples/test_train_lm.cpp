@@ -11,6 +11,7 @@
 #include "helpers.h"
 #include "lm/report.h"
 #include "lm/trainer.h"
+#include "lm_helpers.h"
 
 namespace fs = std::filesystem;
 using namespace tg;
@@ -24,33 +25,8 @@ fs::path scratch(const std::string& name) {
   return d;
 }
 
-// A small corpus with some structure to learn: deterministic pseudo-sentences.
-std::string make_corpus(const fs::path& dir) {
-  const char* words[] = {"the", "norm", "of", "a", "row", "is", "its", "root", "mean", "square", "and", "gain"};
-  std::ostringstream s;
-  Generator g(3);
-  for (int i = 0; i < 6000; ++i) s << words[g.next_int(0, 12)] << (i % 11 == 10 ? ".\n" : " ");
-  const fs::path p = dir / "corpus.txt";
-  std::ofstream(p) << s.str();
-  return p.string();
-}
-
-lm::TrainConfig tiny(const std::string& data) {
-  lm::TrainConfig c;
-  c.data = data;
-  c.model.n_layer = 1;
-  c.model.n_head = 2;
-  c.model.n_embd = 16;
-  c.model.block_size = 16;
-  c.batch_size = 4;
-  c.steps = 200;
-  c.warmup = 10;
-  c.eval_interval = 50;
-  c.eval_iters = 2;
-  c.progress = false;
-  c.model.dropout = 0.1;  // so the dropout generator's state must be restored too
-  return c;
-}
+using lmtest::make_corpus;
+using lmtest::tiny;
 
 }  // namespace
 
