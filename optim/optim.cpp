@@ -306,11 +306,11 @@ WarmupCosineLR::WarmupCosineLR(double lr, double min_lr, std::int64_t warmup, st
   if (!(lr >= 0) || !std::isfinite(lr)) fail("WarmupCosineLR", "invalid learning rate: ", lr);
   if (!(min_lr >= 0) || min_lr > lr) fail("WarmupCosineLR", "min_lr must be in [0, lr], got ", min_lr);
   if (warmup < 0) fail("WarmupCosineLR", "warmup must be >= 0, got ", warmup);
-  if (decay <= warmup) fail("WarmupCosineLR", "decay_steps (", decay, ") must exceed warmup (", warmup, ")");
+  if (decay < 0) fail("WarmupCosineLR", "decay_steps must be >= 0, got ", decay);
 }
 double WarmupCosineLR::operator()(std::int64_t it) const {
   if (it < warmup_) return lr_ * static_cast<double>(it + 1) / static_cast<double>(warmup_ + 1);
-  if (it > decay_) return min_lr_;
+  if (it > decay_ || decay_ <= warmup_) return min_lr_;  // (a run shorter than its warmup never gets here)
   const double ratio = static_cast<double>(it - warmup_) / static_cast<double>(decay_ - warmup_);
   return min_lr_ + 0.5 * (1.0 + std::cos(std::numbers::pi * ratio)) * (lr_ - min_lr_);
 }

@@ -237,8 +237,9 @@ RunResult train(const TrainConfig& cfg_in, const Corpus& corpus, bool resume) {
   std::vector<optim::ParamGroup> groups{{decay, cfg.lr, cfg.weight_decay}};
   if (!no_decay.empty()) groups.push_back({no_decay, cfg.lr, 0.0});
   optim::AdamW opt(groups, cfg.lr, cfg.beta1, cfg.beta2, 1e-8, cfg.weight_decay);
-  optim::WarmupCosineLR schedule(cfg.lr, cfg.min_lr, std::min(cfg.warmup, std::max<std::int64_t>(cfg.lr_decay_iters - 1, 0)),
-                                 std::max<std::int64_t>(cfg.lr_decay_iters, 1));
+  // The reference's schedule as it is, also for runs shorter than the warmup (which then warm up
+  // for all their steps, as torch_gpt.py does).
+  optim::WarmupCosineLR schedule(cfg.lr, cfg.min_lr, cfg.warmup, cfg.lr_decay_iters);
   Generator batch_gen(batch_seed(cfg.seed));
 
   RunResult r;

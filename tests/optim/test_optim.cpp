@@ -240,6 +240,14 @@ TEST_CASE("WarmupCosineLR equals the reference benchmark's lr_at at every step",
   CHECK(want[1999] > 1e-4);
 }
 
+TEST_CASE("a run shorter than its warmup warms up for all its steps, as the reference's lr_at", "[optim]") {
+  // torch_gpt.py with --steps 30 (lr_decay_iters = 30) and warmup 100: lr (it + 1) / 101 throughout.
+  optim::WarmupCosineLR s(1e-3, 1e-4, 100, 30);
+  for (std::int64_t it = 0; it < 30; ++it) CHECK(s(it) == 1e-3 * static_cast<double>(it + 1) / 101.0);
+  CHECK(s(100) == 1e-4);  // after the warmup, past the decay: min_lr
+  REQUIRE_TG_ERROR(optim::WarmupCosineLR(1e-3, 1e-4, 10, -1), "WarmupCosineLR", "decay_steps");
+}
+
 TEST_CASE("clip_grad_norm and clip_grad_value match PyTorch 1.13", "[optim]") {
   // Parameters whose gradients are the fixture's (the last one has none): d/dp sum(p * g) = g.
   auto params_with = [](const json& grads) {

@@ -134,7 +134,8 @@ class StepLR : public Schedule {
 // Linear warmup to lr over `warmup` steps, then cosine decay to min_lr at decay_steps, then
 // min_lr (the baby-GPT schedule; equals lr_at in the PyTorch reference benchmark):
 //   step < warmup:        lr (step + 1) / (warmup + 1)
-//   step > decay_steps:   min_lr
+//   step > decay_steps:   min_lr (also every step after the warmup when decay_steps <= warmup,
+//                         where the reference's formula would divide by zero or go negative)
 //   otherwise:            min_lr + (1 + cos(pi (step - warmup) / (decay_steps - warmup))) / 2 (lr - min_lr)
 class WarmupCosineLR : public Schedule {
  public:
