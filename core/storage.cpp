@@ -10,6 +10,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "per_thread.h"
 #include "tapegrad/tensor.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -70,17 +71,8 @@ struct LocalLists {
   ~LocalLists() {
     for (auto& blocks : lists)
       for (void* p : blocks) std::free(p);
-    alive() = false;
   }
-  static bool& alive() {
-    thread_local bool a = true;  // trivially destructible: readable until the thread is gone
-    return a;
-  }
-  static LocalLists* mine() {
-    if (!alive()) return nullptr;
-    thread_local LocalLists l;
-    return &l;
-  }
+  static LocalLists* mine() { return detail::per_thread<LocalLists>(); }
 };
 }  // namespace
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "per_thread.h"
 #include "tapegrad/autograd.h"
 #include "tapegrad/ops.h"
 
@@ -29,17 +30,8 @@ struct BlockPool {
   std::vector<void*> free;
   ~BlockPool() {
     for (void* p : free) ::operator delete(p);
-    alive() = false;
   }
-  static bool& alive() {
-    thread_local bool a = true;  // trivially destructible: readable until the thread is gone
-    return a;
-  }
-  static BlockPool* mine() {
-    if (!alive()) return nullptr;
-    thread_local BlockPool pool;
-    return &pool;
-  }
+  static BlockPool* mine() { return detail::per_thread<BlockPool>(); }
 };
 #if defined(__SANITIZE_ADDRESS__)
 constexpr bool kPoolOn = false;

@@ -354,8 +354,9 @@ RunResult train(const TrainConfig& cfg_in, const Corpus& corpus, bool resume) {
           for (const Tensor& p : params) {
             const Tensor g = p.grad();
             if (!g.defined()) continue;
-            const std::vector<float> v = g.to_vector<float>();
-            for (float e : v) gnorm += std::isfinite(e) ? 0.0 : e;
+            const float* d = g.data<float>();  // the model is float32
+            for (std::int64_t i = 0; i < g.numel(); ++i)
+              if (!std::isfinite(d[i])) gnorm = d[i];
           }
         }
       }
