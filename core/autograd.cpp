@@ -405,8 +405,13 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   // them; they are set aside once the pass has found nothing to refuse, and added back afterwards.
   // (Owning pointers: freeing the walked nodes may drop the last other owner of a slot.)
   std::vector<std::shared_ptr<AutogradMeta>> retained;
+  // The caller's upstream gradient may be shared with the root (not copied) unless it is the
+  // memory of a gradient this walk adds into (y.backward(x.grad()) with x in y's graph).
+  bool seed_aliased = false;
   auto note = [&](const std::shared_ptr<AutogradMeta>& m) {
-    if (m->node >= 0 && m->retains_grad && m->grad.defined()) retained.push_back(m);
+    if (!m->grad.defined()) return;
+    if (m->node >= 0 && m->retains_grad) retained.push_back(m);
+    seed_aliased = seed_aliased || m->grad.shares_storage(seed);
   };
   rm.visit = mark;
   note(root.meta());
@@ -445,11 +450,11 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   } restore{kept};
 
   // Seed the root's gradient. An intermediate root whose gradient nobody keeps is only read by its
-  // own node, so it may share the caller's tensor, provided nothing else holds that memory (it
-  // could be another tensor's gradient, written during this walk: y.backward(x.grad())); a leaf's
-  // or a retained gradient accumulates (so backward on a leaf, or twice with keep_tape, adds up)
-  // into a buffer of its own.
-  if (!rm.grad.defined() && rm.node >= 0 && !rm.retains_grad && seed.storage_unique()) {
+  // own node (backward kernels never write their upstream gradient), so it shares the caller's
+  // tensor, as PyTorch's engine does, unless that memory is a gradient this walk writes (noted in
+  // pass 1); a leaf's or a retained gradient accumulates (so backward on a leaf, or twice with
+  // keep_tape, adds up) into a buffer of its own.
+  if (!rm.grad.defined() && rm.node >= 0 && !rm.retains_grad && !seed_aliased) {
     rm.grad = seed.detach();
   } else {
     Tensor g = rm.grad_accumulator();

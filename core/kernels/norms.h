@@ -39,17 +39,21 @@ std::vector<double> rows_with_partials(std::int64_t rows, std::int64_t width, st
   return part;
 }
 
-// sum_{j < n} f(j) in double, as 8 interleaved partial sums added in a fixed order at the end: the
-// compiler keeps them in vector registers (an OpenMP simd reduction over float data compiled to
-// gathers and stack spills here), and the bits do not depend on anything but n.
+// sum_{j < n} f(j) in double, as 16 interleaved partial sums added in a fixed order at the end: the
+// compiler keeps them in four vector registers (an OpenMP simd reduction over float data compiled
+// to gathers and stack spills here), and the bits do not depend on anything but n. Four
+// independent chains, not one or two: each add waits for the previous one in its chain (4-5
+// cycles), and a long chain also holds back the loads of the next cache lines, which is what
+// limits a norm on large rows.
 template <class F>
-inline double sum8(std::int64_t n, F&& f) {
-  double p[8] = {};
+inline double sum16(std::int64_t n, F&& f) {
+  double p[16] = {};
   std::int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    for (int l = 0; l < 8; ++l) p[l] += f(j + l);
+  for (; j + 16 <= n; j += 16)
+    for (int l = 0; l < 16; ++l) p[l] += f(j + l);
   double tail = 0;
   for (; j < n; ++j) tail += f(j);
+  for (int l = 0; l < 8; ++l) p[l] += p[l + 8];
   return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7])) + tail;
 }
 
@@ -86,8 +90,8 @@ void layer_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, 
       // mean of three 1e30 is off by an ulp, and the ulp divided by itself is +-1). An infinite
       // x0 would turn the deviations into NaN: then no shift.
       const double x0 = std::isfinite(xr[0]) ? static_cast<double>(xr[0]) : 0.0;
-      const double mu = x0 + sum8(C, [&](std::int64_t j) { return xr[j] - x0; }) / static_cast<double>(C);
-      const double var = sum8(C, [&](std::int64_t j) {
+      const double mu = x0 + sum16(C, [&](std::int64_t j) { return xr[j] - x0; }) / static_cast<double>(C);
+      const double var = sum16(C, [&](std::int64_t j) {
                            const double d = xr[j] - mu;
                            return d * d;
                          }) / static_cast<double>(C);
@@ -113,8 +117,8 @@ void layer_norm_backward(const T* x, const T* g, const double* mean, const T* rs
     const double mu = mean[r], rs = rstd[r];
     auto xhat = [&](std::int64_t j) { return (xr[j] - mu) * rs; };
     auto dxhat = [&](std::int64_t j) { return static_cast<double>(gr[j]) * gg[j]; };
-    const double m1 = sum8(C, dxhat) / static_cast<double>(C);
-    const double m2 = sum8(C, [&](std::int64_t j) { return dxhat(j) * xhat(j); }) / static_cast<double>(C);
+    const double m1 = sum16(C, dxhat) / static_cast<double>(C);
+    const double m2 = sum16(C, [&](std::int64_t j) { return dxhat(j) * xhat(j); }) / static_cast<double>(C);
     if (dg)
       for (std::int64_t j = 0; j < C; ++j) acc[j] += gr[j] * xhat(j);
     if (db)
@@ -141,7 +145,7 @@ void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::in
     for (std::int64_t r = lo; r < hi; ++r) {
       const T* xr = x + r * C;
       T* yr = y + r * C;
-      const double ms = sum8(k, [&](std::int64_t j) { return static_cast<double>(xr[j]) * xr[j]; }) / static_cast<double>(k);
+      const double ms = sum16(k, [&](std::int64_t j) { return static_cast<double>(xr[j]) * xr[j]; }) / static_cast<double>(k);
       const double rr = 1.0 / std::sqrt(ms + eps);
       rrms[r] = static_cast<T>(rr);
       // The statistic is in double; the elementwise scaling in T, like PyTorch's (one rounding
@@ -170,9 +174,16 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
     const T* xr = x + r * C;
     const T* gr = dy + r * C;
     const double rr = rrms[r];
-    const double s = sum8(C, [&](std::int64_t j) { return static_cast<double>(gr[j] * gg[j]) * xr[j]; });
+    // One pass over the row for the row sum and the gain's partial sum (x and dy come from memory
+    // once; the dx loop below finds them in L1).
+    double s;
     if (dg)
-      for (std::int64_t j = 0; j < C; ++j) acc[j] += static_cast<double>(gr[j] * xr[j]) * rr;
+      s = sum16(C, [&](std::int64_t j) {
+        acc[j] += static_cast<double>(gr[j] * xr[j]) * rr;
+        return static_cast<double>(gr[j] * gg[j]) * xr[j];
+      });
+    else
+      s = sum16(C, [&](std::int64_t j) { return static_cast<double>(gr[j] * gg[j]) * xr[j]; });
     if (db)
       for (std::int64_t j = 0; j < C; ++j) acc[C + j] += gr[j];
     if (!dx) return;

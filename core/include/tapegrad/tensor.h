@@ -55,8 +55,6 @@ class Tensor {
   void* raw_data() { return storage_ ? storage_->data : nullptr; }
   const void* raw_data() const { return storage_ ? storage_->data : nullptr; }
   bool shares_storage(const Tensor& o) const { return storage_ && storage_ == o.storage_; }
-  // No other tensor (or gradient) refers to this storage.
-  bool storage_unique() const { return storage_ && storage_.use_count() == 1; }
 
   // Element access for tests and small programs (values go through double).
   double item() const;                                        // the one element of a 1-element tensor
