@@ -75,7 +75,7 @@ Node::Node(Node&& o) noexcept
     : op(o.op),
       inputs(std::move(o.inputs)),
       outputs(std::move(o.outputs)),
-      input_shapes(std::move(o.input_shapes)),
+      other_shapes(std::move(o.other_shapes)),
       undefined_inputs(o.undefined_inputs),
       saved(std::move(o.saved)),
       backward(o.backward),
@@ -89,6 +89,13 @@ void Node::release_backward() {
 }
 
 const Tensor& Node::grad_out(std::size_t i) const { return outputs[i]->grad; }
+
+const Shape& Node::input_shape(std::size_t i) const {
+  if (inputs[i]) return inputs[i]->shape;
+  std::size_t k = 0;  // the number of inputs before i that have no autograd slot
+  for (std::size_t j = 0; j < i; ++j) k += inputs[j] ? 0 : 1;
+  return other_shapes[k];
+}
 
 Tensor Node::grad_in(std::size_t i) const {
   if (!needs_grad(i)) return Tensor();
@@ -158,6 +165,7 @@ void Tape::sweep() {
   // From the newest node back: a node is unreachable when the only owner of each of its outputs'
   // autograd slots is the node itself. Freeing it drops its references to its inputs, which may
   // make an earlier node unreachable in turn.
+  const std::size_t live_before = live_;
   for (std::size_t i = nodes_.size(); i-- > 0;) {
     Node& n = nodes_[i];
     if (n.freed) continue;
@@ -165,8 +173,11 @@ void Tape::sweep() {
     for (const auto& o : n.outputs) unreachable = unreachable && o.use_count() == 1;
     if (unreachable) free_node(i);
   }
+  // The next sweep when the tape has doubled, or quadrupled if this one freed under a quarter of
+  // the nodes (a long graph that is still in use: sweeping it again soon would find nothing).
+  // Either way the sweeps cost O(1) per recorded node, amortised.
   if (live_ == 0) clear();
-  else next_sweep_ = std::max(kFirstSweep, 2 * nodes_.size());
+  else next_sweep_ = std::max(kFirstSweep, (4 * (live_before - live_) < live_before ? 4 : 2) * nodes_.size());
 }
 
 std::size_t Tape::bytes_saved() const {
@@ -183,9 +194,9 @@ void Tape::print(std::ostream& os) const {
     std::ostringstream line;
     line << std::setw(4) << i << "  " << std::left << std::setw(22) << n.op << std::right;
     bool first = true;
-    for (std::size_t k = 0; k < n.input_shapes.size(); ++k) {
+    for (std::size_t k = 0; k < n.inputs.size(); ++k) {
       if (k < 64 && (n.undefined_inputs >> k & 1)) continue;  // an absent optional input (e.g. no bias)
-      line << (first ? "" : ", ") << n.input_shapes[k];
+      line << (first ? "" : ", ") << n.input_shape(k);
       first = false;
       if (n.needs_grad(k) && !n.inputs[k]->name.empty()) line << ' ' << n.inputs[k]->name;
     }
@@ -200,10 +211,10 @@ std::string Tape::to_dot() const {
   std::ostringstream s;
   s << "digraph tape {\n  rankdir=TB;\n  node [fontname=\"Helvetica\", fontsize=10];\n";
   std::unordered_map<std::uint64_t, bool> declared;
-  auto tensor_node = [&](const AutogradMeta& m, bool leaf) {
-    if (declared[m.id]) return;
-    declared[m.id] = true;
-    s << "  t" << m.id << " [shape=ellipse, label=\"" << (m.name.empty() ? "" : m.name + "\\n") << m.shape.str() << "\"";
+  auto tensor_node = [&](AutogradMeta& m, bool leaf) {
+    if (declared[m.dot_id()]) return;
+    declared[m.dot_id()] = true;
+    s << "  t" << m.dot_id() << " [shape=ellipse, label=\"" << (m.name.empty() ? "" : m.name + "\\n") << m.shape.str() << "\"";
     if (leaf) s << ", style=filled, fillcolor=\"#dbe9f6\"";
     s << "];\n";
   };
@@ -215,11 +226,11 @@ std::string Tape::to_dot() const {
     for (std::size_t k = 0; k < n.inputs.size(); ++k) {
       if (!n.inputs[k]) continue;
       tensor_node(*n.inputs[k], n.inputs[k]->node < 0);
-      s << "  t" << n.inputs[k]->id << " -> op" << i << ";\n";
+      s << "  t" << n.inputs[k]->dot_id() << " -> op" << i << ";\n";
     }
     for (const auto& o : n.outputs) {
       tensor_node(*o, false);
-      s << "  op" << i << " -> t" << o->id << ";\n";
+      s << "  op" << i << " -> t" << o->dot_id() << ";\n";
     }
   }
   s << "}\n";
@@ -249,18 +260,25 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
   static_assert(alignof(Meta) <= alignof(Tensor) && alignof(Shape) <= alignof(Tensor));
   Tape& tp = tape();
   Node& n = tp.push();
-  // One arena block for the four arrays: saved tensors first (the strictest alignment).
-  const std::size_t bytes = n_saved * sizeof(Tensor) + (n_in + n_out) * sizeof(Meta) + n_in * sizeof(Shape);
+  // One arena block for the four arrays: saved tensors first (the strictest alignment). Shapes are
+  // kept only for inputs without an autograd slot (the slot has the shape of the others).
+  std::size_t n_other = 0;
+  for (std::size_t i = 0; i < n_in; ++i) n_other += inputs[i]->requires_grad() ? 0 : 1;
+  const std::size_t bytes = n_saved * sizeof(Tensor) + (n_in + n_out) * sizeof(Meta) + n_other * sizeof(Shape);
   char* mem = static_cast<char*>(tp.arena()->allocate(bytes ? bytes : 1, alignof(Tensor)));
   auto* sv = reinterpret_cast<Tensor*>(mem);
   auto* in = reinterpret_cast<Meta*>(mem + n_saved * sizeof(Tensor));
   auto* out = in + n_in;
   auto* shapes = reinterpret_cast<Shape*>(reinterpret_cast<char*>(out + n_out));
   std::uint64_t undefined = 0;
-  for (std::size_t i = 0; i < n_in; ++i) {
+  for (std::size_t i = 0, k = 0; i < n_in; ++i) {
     const Tensor* t = inputs[i];
-    ::new (in + i) Meta(t->requires_grad() ? t->meta() : nullptr);
-    ::new (shapes + i) Shape(t->shape());
+    if (t->requires_grad()) {
+      ::new (in + i) Meta(t->meta());
+    } else {
+      ::new (in + i) Meta();
+      ::new (shapes + k++) Shape(t->shape());
+    }
     if (!t->defined() && i < 64) undefined |= std::uint64_t(1) << i;
   }
   for (std::size_t i = 0; i < n_saved; ++i) ::new (sv + i) Tensor(saved[i]);
@@ -275,7 +293,7 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
   n.op = op;
   n.inputs = NodeArray<Meta>(in, n_in);
   n.outputs = NodeArray<Meta>(out, n_out);
-  n.input_shapes = NodeArray<Shape>(shapes, n_in);
+  n.other_shapes = NodeArray<Shape>(shapes, n_other);
   n.saved = NodeArray<Tensor>(sv, n_saved);
   n.undefined_inputs = undefined;
   return n;
@@ -315,7 +333,7 @@ std::string describe(const Tensor& t, std::int64_t i) {
 std::string shapes_of(const Node& n) {
   std::ostringstream s;
   s << '(';
-  for (std::size_t k = 0; k < n.input_shapes.size(); ++k) s << (k ? ", " : "") << n.input_shapes[k];
+  for (std::size_t k = 0; k < n.inputs.size(); ++k) s << (k ? ", " : "") << n.input_shape(k);
   s << ") -> (";
   for (std::size_t k = 0; k < n.outputs.size(); ++k) s << (k ? ", " : "") << n.outputs[k]->shape;
   s << ')';

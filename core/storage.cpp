@@ -77,6 +77,12 @@ struct LocalLists {
 }  // namespace
 
 Storage::Storage(std::size_t n) : nbytes(n) {
+#if TG_CACHE_ENABLED
+  if (n <= kInlineBytes) {
+    data = inline_data;
+    return;
+  }
+#endif
   const std::size_t size = rounded(n);
 #if TG_CACHE_ENABLED
   if (LocalLists* local = size <= kLocalMax ? LocalLists::mine() : nullptr) {
@@ -106,6 +112,7 @@ Storage::Storage(std::size_t n) : nbytes(n) {
 
 Storage::~Storage() {
 #if TG_CACHE_ENABLED
+  if (data == inline_data) return;
   const std::size_t size = rounded(nbytes);
   if (LocalLists* local = size <= kLocalMax ? LocalLists::mine() : nullptr) {
     if (local->bytes + size <= kLocalBytes) {

@@ -24,12 +24,20 @@ std::atomic<std::uint64_t> next_meta_id{1};
 // A thread's list is freed when the thread ends; a block dropped after that (a tensor held in a
 // static, or by another thread_local) goes straight to the heap, as every block does under
 // AddressSanitizer (so use-after-free stays detectable).
-template <std::size_t Size>
+template <std::size_t Size, std::size_t Align>
 struct BlockPool {
   static constexpr std::size_t kPoolMax = std::size_t(1) << 18;
   std::vector<void*> free;
   ~BlockPool() {
-    for (void* p : free) ::operator delete(p);
+    for (void* p : free) release(p);
+  }
+  static void* get() {
+    if constexpr (Align > __STDCPP_DEFAULT_NEW_ALIGNMENT__) return ::operator new(Size, std::align_val_t(Align));
+    else return ::operator new(Size);
+  }
+  static void release(void* p) {
+    if constexpr (Align > __STDCPP_DEFAULT_NEW_ALIGNMENT__) ::operator delete(p, std::align_val_t(Align));
+    else ::operator delete(p);
   }
   static BlockPool* mine() { return detail::per_thread<BlockPool>(); }
 };
@@ -45,22 +53,22 @@ struct PoolAllocator {
   PoolAllocator() = default;
   template <class U>
   PoolAllocator(const PoolAllocator<U>&) noexcept {}
+  using Pool = BlockPool<sizeof(T), alignof(T)>;
   T* allocate(std::size_t n) {
-    if (n != 1 || !kPoolOn) return static_cast<T*>(::operator new(n * sizeof(T)));
-    auto* pool = BlockPool<sizeof(T)>::mine();
-    if (!pool || pool->free.empty()) return static_cast<T*>(::operator new(sizeof(T)));
+    if (n != 1) throw std::bad_alloc();  // allocate_shared asks for one object
+    auto* pool = kPoolOn ? Pool::mine() : nullptr;
+    if (!pool || pool->free.empty()) return static_cast<T*>(Pool::get());
     void* p = pool->free.back();
     pool->free.pop_back();
     return static_cast<T*>(p);
   }
-  void deallocate(T* p, std::size_t n) noexcept {
-    if (n != 1 || !kPoolOn) return ::operator delete(p);
-    auto* pool = BlockPool<sizeof(T)>::mine();
-    if (!pool || pool->free.size() >= BlockPool<sizeof(T)>::kPoolMax) return ::operator delete(p);
+  void deallocate(T* p, std::size_t) noexcept {
+    auto* pool = kPoolOn ? Pool::mine() : nullptr;
+    if (!pool || pool->free.size() >= Pool::kPoolMax) return Pool::release(p);
     try {
       pool->free.push_back(p);
     } catch (...) {
-      ::operator delete(p);
+      Pool::release(p);
     }
   }
   template <class U>
@@ -140,7 +148,6 @@ void Tensor::set(std::initializer_list<std::int64_t> idx, double v) {
 std::shared_ptr<AutogradMeta>& Tensor::ensure_meta() {
   if (!meta_) {
     meta_ = std::allocate_shared<AutogradMeta>(PoolAllocator<AutogradMeta>());
-    meta_->id = next_meta_id++;
     meta_->shape = shape_;
     meta_->dtype = dtype_;
   }
@@ -181,6 +188,11 @@ Tensor& Tensor::set_name(std::string name) {
 }
 
 std::string Tensor::name() const { return meta_ ? meta_->name : std::string(); }
+
+std::uint64_t AutogradMeta::dot_id() {
+  if (id == 0) id = next_meta_id++;
+  return id;
+}
 
 Tensor& AutogradMeta::grad_accumulator() {
   if (!grad.defined()) grad = zeros(shape, dtype);

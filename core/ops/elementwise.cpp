@@ -49,9 +49,28 @@ BroadcastPlan make_plan(const Shape& out, const Shape& a, const Shape& b) {
 }
 
 template <class T>
-const T* ptr_or_null(const Tensor& t) { return t.defined() ? t.data<T>() : nullptr; }
-template <class T>
 T* mut_ptr_or_null(Tensor t) { return t.defined() ? t.data<T>() : nullptr; }
+
+// Records an op that saves a (when SaveA) and b (when SaveB) for its backward, with no empty slots
+// for the others (a saved slot is a whole Tensor on the tape, and x * 2 + 1 needs neither).
+// saved_ptr<SaveA, SaveB, 0 or 1> reads them back, null when not saved.
+template <bool SaveA, bool SaveB, class F>
+void record_saving(const char* op, const Tensor* in0, const Tensor* in1, Tensor* out, F&& f, const Tensor& a,
+                   const Tensor& b) {
+  auto rec = [&](std::initializer_list<Tensor> saved) {
+    if (in1) record(op, {in0, in1}, {out}, std::forward<F>(f), saved);
+    else record(op, {in0}, {out}, std::forward<F>(f), saved);
+  };
+  if constexpr (SaveA && SaveB) rec({a.detach(), b.detach()});
+  else if constexpr (SaveA) rec({a.detach()});
+  else if constexpr (SaveB) rec({b.detach()});
+  else rec({});
+}
+template <bool SaveA, bool SaveB, int Which, class T>
+const T* saved_ptr(const Node& n) {
+  if constexpr (Which == 0 ? SaveA : SaveB) return n.saved[Which == 1 && SaveA ? 1 : 0].template data<T>();
+  else return nullptr;
+}
 
 // L when r is one row of out's trailing dims (any leading dims 1), so that out is (M, L) with r
 // repeated over M; 0 otherwise.
@@ -94,14 +113,14 @@ Tensor binary(const char* name, const Tensor& a, const Tensor& b) {
     }
   });
   if (should_record({&a, &b})) {
-    record(
-        name, {&a, &b}, {&y},
+    record_saving<Op::kNeedA, Op::kNeedB>(
+        name, &a, &b, &y,
         [kind, plan, M, L, row_is_b](Node& n) {
           const Tensor& dy = n.grad_out();
           dispatch_float("backward", dy.dtype(), [&](auto z) {
             using T = decltype(z);
-            const T* ap = ptr_or_null<T>(n.saved[0]);
-            const T* bp = ptr_or_null<T>(n.saved[1]);
+            const T* ap = saved_ptr<Op::kNeedA, Op::kNeedB, 0, T>(n);
+            const T* bp = saved_ptr<Op::kNeedA, Op::kNeedB, 1, T>(n);
             if (kind == Kind::same) {
               GradDest da = n.grad_dest(0), db = n.grad_dest(1);
               binary_backward_same<T, Op>(ap, bp, dy.data<T>(), da.ptr<T>(), db.ptr<T>(), dy.numel(), da.acc, db.acc);
@@ -118,7 +137,7 @@ Tensor binary(const char* name, const Tensor& a, const Tensor& b) {
             }
           });
         },
-        {Op::kNeedA ? a.detach() : Tensor(), Op::kNeedB ? b.detach() : Tensor()});
+        a, b);
   }
   return y;
 }
@@ -132,18 +151,18 @@ Tensor unary(const char* name, const Tensor& x, Op op) {
     unary_forward<T>(x.data<T>(), y.data<T>(), x.numel(), op);
   });
   if (should_record({&x})) {
-    record(
-        name, {&x}, {&y},
+    record_saving<Op::kX, Op::kY>(
+        name, &x, nullptr, &y,
         [op](Node& n) {
           const Tensor& dy = n.grad_out();
           GradDest dx = n.grad_dest(0);
           dispatch_float("backward", dy.dtype(), [&](auto z) {
             using T = decltype(z);
-            unary_backward<T>(ptr_or_null<T>(n.saved[0]), ptr_or_null<T>(n.saved[1]), dy.data<T>(), dx.ptr<T>(), dy.numel(), op,
-                              dx.acc);
+            unary_backward<T>(saved_ptr<Op::kX, Op::kY, 0, T>(n), saved_ptr<Op::kX, Op::kY, 1, T>(n), dy.data<T>(),
+                              dx.ptr<T>(), dy.numel(), op, dx.acc);
           });
         },
-        {Op::kX ? x.detach() : Tensor(), Op::kY ? y.detach() : Tensor()});
+        x, y);
   }
   return y;
 }

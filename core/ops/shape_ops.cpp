@@ -214,7 +214,7 @@ Tensor cat(const std::vector<Tensor>& xs, int dim) {
       for (std::size_t i = 0; i < n.inputs.size(); ++i) {
         Tensor dx = n.grad_in(i);
         if (!dx.defined()) continue;
-        const std::int64_t nt = n.input_shapes[i][d];
+        const std::int64_t nt = n.input_shape(i)[d];
         dispatch_float("cat", dx.dtype(), [&](auto z) {
           using T = decltype(z);
           // dx[o, j, i] += dy[o, off + j, i]: the forward slice kernel, accumulating.

@@ -115,7 +115,9 @@ struct Node {
   const char* op = "";                                // static string naming the op
   NodeArray<std::shared_ptr<AutogradMeta>> inputs;    // null where an input needs no gradient
   NodeArray<std::shared_ptr<AutogradMeta>> outputs;
-  NodeArray<Shape> input_shapes;                      // for printing and error messages
+  // The shapes of the inputs that need no gradient, in input order (for printing and error
+  // messages; the others' shapes are in their autograd slots): see input_shape().
+  NodeArray<Shape> other_shapes;
   std::uint64_t undefined_inputs = 0;                 // bit i: input i was an undefined tensor (optional)
   NodeArray<Tensor> saved;                            // what backward reads (activations)
   BackwardFn backward;
@@ -129,6 +131,8 @@ struct Node {
   // Input i's gradient for a kernel that writes every element (see GradDest).
   GradDest grad_dest(std::size_t i) const;
   bool needs_grad(std::size_t i) const { return i < inputs.size() && inputs[i] != nullptr; }
+  // Input i's shape as recorded (not available once the node is freed).
+  const Shape& input_shape(std::size_t i) const;
   std::size_t bytes_saved() const;
   void run_backward() { backward.call(backward.obj, *this); }
   void release_backward();

@@ -18,13 +18,17 @@
 namespace tg {
 
 // A 64-byte aligned block of memory, recycled through a caching allocator (see core/storage.cpp).
+// Up to kInlineBytes (a scalar, a loss, a few elements) live inside the Storage object itself: one
+// allocation per tensor instead of two, and no trip through the cache's lists.
 struct Storage {
+  static constexpr std::size_t kInlineBytes = 64;
   explicit Storage(std::size_t nbytes);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
   void* data = nullptr;
   std::size_t nbytes = 0;
+  alignas(64) unsigned char inline_data[kInlineBytes];
 };
 
 // The caching allocator keeps freed blocks by size for reuse, so a training step that allocates
@@ -115,7 +119,7 @@ struct AutogradMeta {
   bool retains_grad = false;
   std::int64_t node = -1;          // index of the creating node on the tape; -1 for a leaf
   std::uint64_t generation = 0;    // the tape generation that node belongs to
-  std::uint64_t id = 0;            // unique, names the tensor in DOT output
+  std::uint64_t id = 0;            // unique, names the tensor in DOT output (0 until asked: see dot_id)
   std::uint64_t visit = 0;         // marks the tensors a backward pass will reach
   Shape shape;
   DType dtype = DType::f32;
@@ -123,6 +127,9 @@ struct AutogradMeta {
   Tensor grad;
   // The gradient buffer to accumulate (+=) into, allocated as zeros on first use.
   Tensor& grad_accumulator();
+  // The id, drawn from a global counter on first use (an atomic increment per recorded op
+  // otherwise, for a number only the DOT output reads).
+  std::uint64_t dot_id();
 };
 
 // ---- factories (dtype defaults to float32, as in PyTorch) ----
