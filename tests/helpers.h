@@ -2,6 +2,7 @@
 // Shared test helpers.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <vector>
 #include <string>
@@ -28,12 +29,17 @@ inline void require_gradcheck(const std::function<tg::Tensor(const std::vector<t
   REQUIRE_FALSE(r.inputs.empty());
 }
 
-// Largest |a - b| over all elements (shapes must match).
+// Largest |a - b| over all elements (shapes must match). Equal infinities and NaN against NaN count
+// as equal; a NaN or infinity against anything else gives +inf (std::max would drop a NaN).
 inline double max_abs_diff(const tg::Tensor& a, const tg::Tensor& b) {
   REQUIRE(a.shape() == b.shape());
   auto va = a.to_vector<double>(), vb = b.to_vector<double>();
   double m = 0;
-  for (std::size_t i = 0; i < va.size(); ++i) m = std::max(m, std::fabs(va[i] - vb[i]));
+  for (std::size_t i = 0; i < va.size(); ++i) {
+    if (va[i] == vb[i] || (std::isnan(va[i]) && std::isnan(vb[i]))) continue;
+    const double d = std::fabs(va[i] - vb[i]);
+    m = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(m, d);
+  }
   return m;
 }
 

@@ -1,4 +1,6 @@
 // matmul: the BLAS path against the naive reference, every transpose and batch layout, gradients.
+#include <limits>
+
 #include "helpers.h"
 #include "kernels/gemm.h"
 
@@ -48,6 +50,33 @@ TEST_CASE("gemm (BLAS) agrees with the naive reference for every transpose, alph
                                    2.0f, R32.data<float>(), N);
         CHECK(max_abs_diff(C32, R32) < 1e-3);
       }
+}
+
+TEST_CASE("gemm with beta = 0 ignores what C held, NaN included, and leaves the columns beyond N alone") {
+  // BLAS's rule; gemm implements beta = 0 as a zero fill and beta = 1 (see kernels/gemm.cpp).
+  Generator g(11);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (auto [M, N, K] : {std::tuple<int, int, int>{5, 7, 3}, {70, 33, 20}, {4, 3, 0}}) {
+    const int ldc = N + 2;
+    Tensor A = randn({M, K}, float64, &g), B = randn({K, N}, float64, &g);
+    Tensor want = full({M, ldc}, 7.0, float64);
+    kernels::gemm_naive<double>(false, false, M, N, K, 1.5, A.data<double>(), K, B.data<double>(), N, 0.0,
+                                want.data<double>(), ldc);
+    Tensor C64 = full({M, ldc}, 7.0, float64);
+    Tensor C32 = full({M, ldc}, 7.0, float32);
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n) C64.set({m, n}, nan), C32.set({m, n}, nan);
+    kernels::gemm<double>(false, false, M, N, K, 1.5, A.data<double>(), K, B.data<double>(), N, 0.0,
+                          C64.data<double>(), ldc);
+    Tensor A32 = A.to(float32), B32 = B.to(float32);
+    kernels::gemm<float>(false, false, M, N, K, 1.5f, A32.data<float>(), K, B32.data<float>(), N, 0.0f,
+                         C32.data<float>(), ldc);
+    INFO("M=" << M << " N=" << N << " K=" << K);
+    CHECK(max_abs_diff(C64, want) < 1e-12);  // NaN would make the difference NaN and fail
+    CHECK(max_abs_diff(C32.to(float64), want) < 1e-4);
+    CHECK(C64.at({M - 1, N}) == 7.0);  // padding columns untouched
+    CHECK(C32.at({0, N + 1}) == 7.0);
+  }
 }
 
 TEST_CASE("matmul forward matches the naive reference: 2-D, batched, folded, transposed") {

@@ -158,6 +158,36 @@ TEST_CASE("random values do not depend on the thread count") {
   REQUIRE_TG_ERROR(set_num_threads(0), "set_num_threads");
 }
 
+TEST_CASE("tensors of up to 64 bytes keep their data inside the Storage, larger ones in a block of their own") {
+  empty_cache();
+  for (std::int64_t n : {0, 1, 15, 16, 17, 1000}) {
+    INFO("numel " << n);
+    Tensor t = arange(static_cast<double>(n), static_cast<double>(3 * n), 2.0);  // n, n + 2, ..., 3n - 2
+    REQUIRE(t.numel() == n);
+    CHECK(reinterpret_cast<std::uintptr_t>(t.raw_data()) % 64 == 0);  // the alignment kernels rely on
+    Tensor r = t.reshape({n, 1});  // a view shares the memory, inline or not
+    CHECK(r.raw_data() == t.raw_data());
+    Tensor c = t.clone();
+    if (n > 0) {
+      c.set({0}, -5);
+      CHECK(t.at({0}) == static_cast<double>(n));
+      CHECK(r.at({n - 1, 0}) == static_cast<double>(3 * n - 2));
+    }
+  }
+  // Nothing of up to 64 bytes passes through the cache; 17 floats (68 bytes, a 128-byte block) do.
+#if !defined(__SANITIZE_ADDRESS__)
+  CHECK(cached_bytes() >= 4000);  // the 1000-element tensors above
+#endif
+  empty_cache();
+  { Tensor a = zeros({16}), b = zeros({2, 2}, float64); }
+  CHECK(cached_bytes() == 0);
+  { Tensor a = zeros({17}); }
+#if !defined(__SANITIZE_ADDRESS__)
+  CHECK(cached_bytes() == 128);
+#endif
+  empty_cache();
+}
+
 TEST_CASE("the caching allocator reuses freed blocks") {
   empty_cache();
   void* first = nullptr;
