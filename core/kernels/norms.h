@@ -5,8 +5,8 @@
 //
 // Statistics accumulate in double whatever T is, variances are two-pass (mean first, then squared
 // deviations), and per-row statistics are saved for the backward so it never recomputes them.
-// The per-row sums are OpenMP simd reductions: that licenses the compiler to keep several partial
-// sums in vector lanes (a fixed order, so results stay deterministic).
+// The per-row sums are 16 interleaved partial sums (sum16 below): several independent chains in
+// vector registers, added in a fixed order, so results stay deterministic.
 // Parameter gradients (dg, db) are sums over rows: each thread accumulates its rows into its own
 // double buffer and the buffers are added in thread order, so results are deterministic for a
 // given thread count.
