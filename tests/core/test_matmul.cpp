@@ -79,6 +79,39 @@ TEST_CASE("gemm with beta = 0 ignores what C held, NaN included, and leaves the 
   }
 }
 
+TEST_CASE("gemm split across threads (by rows or by columns) matches the naive reference, padded strides and all") {
+  // Large enough products are cut into blocks of rows (M >= N) or columns of C, one BLAS call per
+  // thread (kernels/gemm.cpp). The shapes below put cuts off multiples of 16, give threads blocks
+  // of different sizes, and read A, B and C through leading dimensions wider than the matrices.
+  const int before = get_num_threads();
+  Generator g(12);
+  for (int threads : {2, 3}) {
+    set_num_threads(threads);
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (auto [M, N, K] : {std::tuple<int, int, int>{133, 50, 120}, {40, 150, 100}, {300, 37, 64}}) {
+          for (double beta : {0.0, 0.5}) {
+            const int lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 5, ldc = N + 2;
+            Tensor A = randn({ta ? K : M, lda}, float64, &g), B = randn({tb ? N : K, ldb}, float64, &g);
+            Tensor C0 = randn({M, ldc}, float64, &g);
+            Tensor want = C0.clone(), C64 = C0.clone(), C32 = C0.to(float32);
+            kernels::gemm_naive<double>(ta, tb, M, N, K, 1.25, A.data<double>(), lda, B.data<double>(), ldb, beta,
+                                        want.data<double>(), ldc);
+            kernels::gemm<double>(ta, tb, M, N, K, 1.25, A.data<double>(), lda, B.data<double>(), ldb, beta,
+                                  C64.data<double>(), ldc);
+            Tensor A32 = A.to(float32), B32 = B.to(float32);
+            kernels::gemm<float>(ta, tb, M, N, K, 1.25f, A32.data<float>(), lda, B32.data<float>(), ldb,
+                                 static_cast<float>(beta), C32.data<float>(), ldc);
+            INFO("threads=" << threads << " ta=" << ta << " tb=" << tb << " M=" << M << " N=" << N << " K=" << K
+                            << " beta=" << beta);
+            CHECK(max_abs_diff(C64, want) < 1e-11);  // padding columns included: they must keep C0's values
+            CHECK(max_abs_diff(C32.to(float64), want) < 2e-3);
+          }
+        }
+  }
+  set_num_threads(before);
+}
+
 TEST_CASE("matmul forward matches the naive reference: 2-D, batched, folded, transposed") {
   Generator g(4);
   for (DType dt : {float32, float64}) {
