@@ -63,8 +63,7 @@ void attention_backward(const T* qkv, const T* P, const T* dy, T* dqkv, std::int
       for (std::int64_t i = 0; i < Tn; ++i) {
         T* r = ds + i * Tn;
         const T* pr = p + i * Tn;
-        double dot = 0;
-        for (std::int64_t j = 0; j <= i; ++j) dot += static_cast<double>(r[j]) * pr[j];
+        const double dot = sum16(i + 1, [&](std::int64_t j) { return static_cast<double>(r[j]) * pr[j]; });
         for (std::int64_t j = 0; j <= i; ++j) r[j] = static_cast<T>(scale * pr[j] * (r[j] - dot));
         for (std::int64_t j = i + 1; j < Tn; ++j) r[j] = T(0);
       }

@@ -324,33 +324,42 @@ void weight_norm_backward(const T* v, const T* g, const T* norm, const T* dw, T*
 // Scaled causal softmax over (rows, T) where row r is query position i = r mod T:
 //   y_j = exp(s x_j - m) / sum_{j' <= i} exp(s x_j' - m) for j <= i, and 0 for j > i.
 // One pass replaces scale + masked_fill(-inf) + softmax.
+
+// One row: query position i, `width` entries written (0 past i). x and y may be the same row.
+template <class T>
+void causal_softmax_row(const T* xr, T* yr, std::int64_t i, std::int64_t width, T sc) {
+  // The scaled scores are stored (rounded) before the maximum is taken, so the largest one minus
+  // the maximum is exactly 0: computed on the fly, s x_j - m contracts to a fused multiply-add
+  // whose exact product differs from the rounded m, and at large scales that difference alone
+  // overflows exp.
+  // Each step is its own loop so that it vectorises: the maximum over 8 interleaved lanes (a
+  // single running max is a loop-carried dependency GCC keeps scalar without -ffast-math), exp on
+  // its own (fast_exp is branch-free), and the sum in 16 double lanes (sum16).
+  const std::int64_t n = i + 1;
+  T lane[8];
+  for (T& l : lane) l = -std::numeric_limits<T>::infinity();
+  std::int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) {
+      yr[j + l] = sc * xr[j + l];
+      lane[l] = yr[j + l] > lane[l] ? yr[j + l] : lane[l];
+    }
+  T m = -std::numeric_limits<T>::infinity();
+  for (; j < n; ++j) {
+    yr[j] = sc * xr[j];
+    m = yr[j] > m ? yr[j] : m;
+  }
+  for (const T l : lane) m = l > m ? l : m;
+  for (j = 0; j < n; ++j) yr[j] = fast_exp(yr[j] - m);
+  const double inv = 1.0 / sum16(n, [&](std::int64_t k) { return static_cast<double>(yr[k]); });
+  for (j = 0; j < n; ++j) yr[j] = static_cast<T>(yr[j] * inv);
+  for (j = n; j < width; ++j) yr[j] = T(0);
+}
+
 template <class T>
 void causal_softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t Tn, double scale) {
   parallel_for(rows, rows * Tn, [&](std::int64_t lo, std::int64_t hi) {
-    for (std::int64_t r = lo; r < hi; ++r) {
-      const std::int64_t i = r % Tn;
-      const T* xr = x + r * Tn;
-      T* yr = y + r * Tn;
-      const T sc = static_cast<T>(scale);
-      // The scaled scores are stored (rounded) before the maximum is taken, so the largest one
-      // minus the maximum is exactly 0: computed on the fly, s x_j - m contracts to a fused
-      // multiply-add whose exact product differs from the rounded m, and at large scales that
-      // difference alone overflows exp.
-      T m = -std::numeric_limits<T>::infinity();
-      for (std::int64_t j = 0; j <= i; ++j) {
-        yr[j] = sc * xr[j];
-        m = yr[j] > m ? yr[j] : m;
-      }
-      double s = 0;
-      for (std::int64_t j = 0; j <= i; ++j) {
-        const T e = fast_exp(yr[j] - m);
-        yr[j] = e;
-        s += e;
-      }
-      const double inv = 1.0 / s;
-      for (std::int64_t j = 0; j <= i; ++j) yr[j] = static_cast<T>(yr[j] * inv);
-      for (std::int64_t j = i + 1; j < Tn; ++j) yr[j] = T(0);
-    }
+    for (std::int64_t r = lo; r < hi; ++r) causal_softmax_row(x + r * Tn, y + r * Tn, r % Tn, Tn, static_cast<T>(scale));
   });
 }
 // dx_j = s y_j (dy_j - sum_j' dy_j' y_j')   (zero where masked, since y_j = 0 there)
@@ -363,8 +372,7 @@ void causal_softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, 
       const T* yr = y + r * Tn;
       const T* gr = dy + r * Tn;
       T* dr = dx + r * Tn;
-      double dot = 0;
-      for (std::int64_t j = 0; j <= i; ++j) dot += static_cast<double>(gr[j]) * yr[j];
+      const double dot = sum16(i + 1, [&](std::int64_t j) { return static_cast<double>(gr[j]) * yr[j]; });
       for (std::int64_t j = 0; j <= i; ++j) put<decltype(A)>(dr[j], static_cast<T>(scale * yr[j] * (gr[j] - dot)));
       if constexpr (!decltype(A)::value)
         for (std::int64_t j = i + 1; j < Tn; ++j) dr[j] = T(0);  // masked: no gradient

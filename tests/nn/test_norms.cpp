@@ -189,7 +189,9 @@ TEST_CASE("norm argument errors name the op and the shapes") {
 
 TEST_CASE("fused causal attention equals the composite (split, permute, matmul, masked softmax)") {
   for (auto [B, T, C, H] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>{2, 5, 6, 2},
-                            {1, 1, 4, 1}, {3, 7, 12, 3}, {2, 16, 32, 4}}) {
+                            {1, 1, 4, 1}, {3, 7, 12, 3}, {2, 16, 32, 4}, {1, 37, 8, 2}, {2, 70, 24, 1}}) {
+    // T = 37 and 70: rows of every length up to T, so each vectorised loop of the softmax row
+    // (blocks of 8 and 16 plus the remainders) runs with every remainder.
     INFO("B " << B << " T " << T << " C " << C << " H " << H);
     Tensor a = param64({B, T, 3 * C}, static_cast<std::uint64_t>(B * 100 + T)), b = a.detach().clone().requires_grad_();
     Tensor y1 = causal_attention(a, H), y2 = composite::causal_attention(b, H);
