@@ -41,9 +41,7 @@ Linear::Linear(std::int64_t in, std::int64_t out, bool use_bias, DType dtype) : 
 Tensor Linear::forward(const Tensor& x) {
   if (!x.defined() || x.dim() < 1 || x.size(-1) != in_features)
     fail("Linear", "expects input (..., ", in_features, "), got ", x.defined() ? x.shape().str() : "undefined");
-  if (x.dim() == 1) return forward(x.reshape({1, in_features})).reshape({out_features});
-  Tensor y = matmul(x, weight, false, true);  // (..., in) @ (out, in)^T: one gemm over all rows
-  return bias.defined() ? y + bias : y;
+  return linear(x, weight, bias);  // (..., in) @ (out, in)^T + bias: one gemm over all rows
 }
 
 std::string Linear::extra_repr() const {

@@ -11,6 +11,7 @@
 #include "dispatch.h"
 #include "kernels/gemm.h"
 #include "kernels/parallel.h"
+#include "kernels/reduce.h"
 #include "tapegrad/autograd.h"
 #include "tapegrad/ops.h"
 
@@ -177,6 +178,73 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
           });
         },
         {a.detach(), b.detach()});
+  }
+  return y;
+}
+
+// linear: y = x w^T + b over the rows of x, PyTorch's F.linear. The bias is written into y first
+// and the product added to it by the gemm (beta = 1), so the bias costs no pass of its own and y
+// no zero fill; the backward is matmul's with the bias gradient as the column sums of dy:
+//   dx = dy w,  dw = dy^T x,  db = sum over rows of dy.
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  const char* op = "linear";
+  if (!x.defined() || !w.defined()) fail(op, "needs an input and a weight");
+  detail::check_float(op, x);
+  detail::check_float(op, w);
+  detail::check_same_dtype(op, x, w);
+  if (w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1))
+    fail(op, "expects input (..., in) and weight (out, in), got ", x.shape(), " and ", w.shape());
+  if (b.defined()) {
+    detail::check_same_dtype(op, x, b);
+    if (b.dim() != 1 || b.size(0) != w.size(0)) fail(op, "expects bias (", w.size(0), ",), got ", b.shape());
+  }
+  Shape yshape = x.shape();
+  yshape[yshape.ndim() - 1] = w.size(0);
+  const std::int64_t in = w.size(1), out = w.size(0), rows = yshape.numel() / std::max<std::int64_t>(out, 1);
+  Tensor y = Tensor::empty(yshape, x.dtype());
+  dispatch_float(op, x.dtype(), [&](auto z) {
+    using T = decltype(z);
+    T* Y = y.data<T>();
+    if (rows * out == 0) return;
+    if (b.defined()) {
+      const T* bias = b.data<T>();
+      kernels::parallel_for(rows, rows * out, [&](std::int64_t lo, std::int64_t hi) {
+        for (std::int64_t r = lo; r < hi; ++r) std::copy(bias, bias + out, Y + r * out);
+      });
+    }
+    if (in > 0) gemm<T>(false, true, rows, out, in, T(1), x.data<T>(), in, w.data<T>(), in, b.defined() ? T(1) : T(0), Y, out);
+    else if (!b.defined()) std::fill(Y, Y + rows * out, T(0));  // an empty sum
+  });
+  if (should_record({&x, &w, &b})) {
+    record(
+        op, {&x, &w, &b}, {&y},
+        [rows, in, out](Node& n) {
+          const Tensor& dY = n.grad_out();
+          dispatch_float("linear", dY.dtype(), [&](auto z) {
+            using T = decltype(z);
+            const T* G = dY.data<T>();
+            if (rows * out * in == 0) {  // empty products: zero (or empty) gradients for x and w
+              if (n.needs_grad(0)) n.grad_in(0);
+              if (n.needs_grad(1)) n.grad_in(1);
+            } else {
+              if (GradDest dx = n.grad_dest(0); dx.defined())  // dx (rows, in) (+)= dy w
+                gemm<T>(false, false, rows, in, out, T(1), G, out, n.saved[1].data<T>(), in, dx.acc ? T(1) : T(0),
+                        dx.ptr<T>(), in);
+              if (GradDest dw = n.grad_dest(1); dw.defined())  // dw (out, in) (+)= dy^T x
+                gemm<T>(true, false, out, in, rows, T(1), G, out, n.saved[0].data<T>(), in, dw.acc ? T(1) : T(0),
+                        dw.ptr<T>(), in);
+            }
+            if (GradDest db = n.grad_dest(2); db.defined()) {  // db (+)= column sums of dy
+              if (!db.acc) kernels::sum_forward(G, db.ptr<T>(), 1, rows, out, 1.0);
+              else {
+                std::vector<T> col(static_cast<std::size_t>(out));
+                kernels::sum_forward(G, col.data(), 1, rows, out, 1.0);
+                for (std::int64_t j = 0; j < out; ++j) db.ptr<T>()[j] += col[static_cast<std::size_t>(j)];
+              }
+            }
+          });
+        },
+        {x.detach(), w.detach()});
   }
   return y;
 }

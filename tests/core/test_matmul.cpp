@@ -176,3 +176,47 @@ TEST_CASE("matmul argument errors name the op and both shapes") {
   REQUIRE_TG_ERROR(matmul(zeros({2, 2}), zeros({2, 2}, float64)), "matmul", "float32", "float64");
   REQUIRE_TG_ERROR(matmul(zeros({2, 2}, int32), zeros({2, 2}, int32)), "matmul", "int32");
 }
+
+TEST_CASE("linear = x w^T + b: values against matmul + add, gradients by gradcheck, bias optional") {
+  Generator g(21);
+  for (Shape xs : {Shape{5}, Shape{3, 5}, Shape{2, 3, 5}, Shape{70, 5}}) {
+    INFO("x " << xs);
+    Tensor x = randn(xs, float64, &g), w = randn({4, 5}, float64, &g), b = randn({4}, float64, &g);
+    Tensor want = matmul(xs.ndim() == 1 ? x.reshape({1, 5}) : x, w, false, true) + b;
+    Shape ys = xs;
+    ys[ys.ndim() - 1] = 4;
+    CHECK(linear(x, w, b).shape() == ys);
+    CHECK(max_abs_diff(linear(x, w, b), want.reshape(ys)) < 1e-12);
+    CHECK(max_abs_diff(linear(x, w), (want - b).reshape(ys)) < 1e-12);
+  }
+  auto with_bias = [](const std::vector<Tensor>& in) { return linear(in[0], in[1], in[2]); };
+  auto no_bias = [](const std::vector<Tensor>& in) { return linear(in[0], in[1]); };
+  tgtest::require_gradcheck(with_bias, {param64({2, 3, 5}, 1), param64({4, 5}, 2), param64({4}, 3)});
+  tgtest::require_gradcheck(with_bias, {param64({5}, 4), param64({4, 5}, 5), param64({4}, 6)});
+  tgtest::require_gradcheck(no_bias, {param64({3, 5}, 7), param64({4, 5}, 8)});
+  // float32 (the gemm's beta = 1 path over a bias-filled output) against float64
+  Tensor x = randn({70, 33}, float64, &g), w = randn({40, 33}, float64, &g), b = randn({40}, float64, &g);
+  CHECK(max_abs_diff(linear(x.to(float32), w.to(float32), b.to(float32)).to(float64), linear(x, w, b)) < 1e-4);
+}
+
+TEST_CASE("linear accumulates gradients into used-twice inputs, handles in = 0, and names the op in errors") {
+  // x feeds linear twice: the second backward contribution is added (beta = 1), as is b's.
+  Tensor x = param64({3, 5}, 1), w = param64({4, 5}, 2), b = param64({4}, 3);
+  Tensor x2 = x.detach().clone().requires_grad_(), w2 = w.detach().clone().requires_grad_(), b2 = b.detach().clone().requires_grad_();
+  (linear(x, w, b) * 2.0 + linear(x, w, b)).sum().backward();
+  (matmul(x2, w2, false, true) * 3.0 + b2 * 3.0).sum().backward();
+  CHECK(max_abs_diff(x.grad(), x2.grad()) < 1e-12);
+  CHECK(max_abs_diff(w.grad(), w2.grad()) < 1e-12);
+  CHECK(max_abs_diff(b.grad(), b2.grad()) < 1e-12);
+  // in = 0: the product is an empty sum, so y = b; x and w get empty gradients, b gets the rows' count
+  Tensor xe = zeros({3, 0}).requires_grad_(), we = zeros({4, 0}).requires_grad_(), be = full({4}, 2.0, float32).requires_grad_();
+  Tensor ye = linear(xe, we, be);
+  CHECK(max_abs_diff(ye.to(float64), full({3, 4}, 2.0, float64)) == 0);
+  CHECK(max_abs_diff(linear(xe, we).to(float64), zeros({3, 4}, float64)) == 0);
+  ye.sum().backward();
+  CHECK(max_abs_diff(be.grad().to(float64), full({4}, 3.0, float64)) == 0);
+  CHECK(xe.grad().shape() == Shape{3, 0});
+  REQUIRE_TG_ERROR(linear(zeros({3, 5}), zeros({4, 6})), "linear", "(3, 5)");
+  REQUIRE_TG_ERROR(linear(zeros({3, 5}), zeros({4, 5}), zeros({3})), "linear", "bias (4,)");
+  REQUIRE_TG_ERROR(linear(zeros({3, 5}), zeros({4, 5}, float64)), "linear");
+}

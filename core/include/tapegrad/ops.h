@@ -64,6 +64,9 @@ Tensor max(const Tensor& x, const std::vector<int>& axes = {}, bool keepdim = fa
 // matrix transposed without copying it (a stored as (..., K, M), b stored as (..., N, K)).
 // Both operands need at least 2 dims (PyTorch also accepts 1-D vectors).
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+// x (..., in) @ w (out, in)^T + b (out), as PyTorch's F.linear; b may be undefined (no bias). One
+// gemm, with the bias as the gemm's starting C; nn::Linear's forward.
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b = Tensor());
 
 // ---- neural-network ops ----
 Tensor softmax(const Tensor& x, int axis = -1);      // only the last axis is supported
