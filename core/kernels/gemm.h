@@ -1,7 +1,8 @@
 #pragma once
 // C = alpha * op(A) op(B) + beta * C, row-major, op(X) = X or X^T. M x N result, K inner.
-// gemm() calls OpenBLAS (cblas_sgemm / cblas_dgemm); gemm_naive() is the reference it is tested
-// against: a plain triple loop accumulating in double.
+// gemm() calls OpenBLAS (cblas_sgemm / cblas_dgemm), splitting large products across the OpenMP
+// team itself (one single-threaded call per block of C; see gemm.cpp); gemm_naive() is the
+// reference it is tested against: a plain triple loop accumulating in double.
 #include <cstdint>
 
 namespace tg::kernels {
