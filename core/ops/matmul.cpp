@@ -182,9 +182,10 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   return y;
 }
 
-// linear: y = x w^T + b over the rows of x, PyTorch's F.linear. The bias is written into y first
-// and the product added to it by the gemm (beta = 1), so the bias costs no pass of its own and y
-// no zero fill; the backward is matmul's with the bias gradient as the column sums of dy:
+// linear: y = x w^T + b over the rows of x, PyTorch's F.linear. The bias rows are written into y
+// where the gemm would otherwise zero-fill it (kernels/gemm.cpp), and the gemm adds the product to
+// them (beta = 1): no separate add pass and one tape node instead of two. The backward is matmul's,
+// with the bias gradient as the column sums of dy:
 //   dx = dy w,  dw = dy^T x,  db = sum over rows of dy.
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   const char* op = "linear";
@@ -200,7 +201,9 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   }
   Shape yshape = x.shape();
   yshape[yshape.ndim() - 1] = w.size(0);
-  const std::int64_t in = w.size(1), out = w.size(0), rows = yshape.numel() / std::max<std::int64_t>(out, 1);
+  const std::int64_t in = w.size(1), out = w.size(0);
+  std::int64_t rows = 1;  // the product of x's leading dims
+  for (int d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   Tensor y = Tensor::empty(yshape, x.dtype());
   dispatch_float(op, x.dtype(), [&](auto z) {
     using T = decltype(z);

@@ -216,6 +216,12 @@ TEST_CASE("linear accumulates gradients into used-twice inputs, handles in = 0, 
   ye.sum().backward();
   CHECK(max_abs_diff(be.grad().to(float64), full({4}, 3.0, float64)) == 0);
   CHECK(xe.grad().shape() == Shape{3, 0});
+  // out = 0: an empty output, and x's gradient is zeros (nothing depends on x)
+  Tensor xo = param64({3, 5}, 4), wo = zeros({0, 5}, float64).requires_grad_();
+  Tensor yo = linear(xo, wo, zeros({0}, float64).requires_grad_());
+  CHECK(yo.shape() == Shape{3, 0});
+  (yo.sum() + xo.sum()).backward();
+  CHECK(max_abs_diff(xo.grad(), full({3, 5}, 1.0, float64)) == 0);
   REQUIRE_TG_ERROR(linear(zeros({3, 5}), zeros({4, 6})), "linear", "(3, 5)");
   REQUIRE_TG_ERROR(linear(zeros({3, 5}), zeros({4, 5}), zeros({3})), "linear", "bias (4,)");
   REQUIRE_TG_ERROR(linear(zeros({3, 5}), zeros({4, 5}, float64)), "linear");
