@@ -4,8 +4,10 @@
 #include <cstring>
 #include <numbers>
 #include <sstream>
+#include <type_traits>
 
 #include "kernels/parallel.h"
+#include "kernels/reduce.h"
 #include "tapegrad/error.h"
 
 
@@ -19,6 +21,14 @@ void dispatch(const char* op, DType d, F&& f) {
   if (d == DType::f32) f(float{});
   else if (d == DType::f64) f(double{});
   else fail(op, "parameters must be float32 or float64, got ", d);
+}
+
+// f(std::true_type) or f(std::false_type): a runtime flag as a compile-time one, so that each
+// variant of an update loop is its own branch-free loop.
+template <class F>
+void with_bool(bool b, F&& f) {
+  if (b) f(std::true_type{});
+  else f(std::false_type{});
 }
 
 // The per-parameter state keys an optimizer of a known kind keeps: scalar (a float64 0-d tensor)
@@ -266,21 +276,33 @@ void Adam::step() {
       T* vp = v.data<T>();
       T* vm = ams ? vmax.data<T>() : nullptr;
       const std::int64_t n = p.numel();
-      kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-        for (std::int64_t k = lo; k < hi; ++k) {
-          T gk = gr[k];
-          if (dec) w[k] = w[k] * static_cast<T>(1 - lr * wd);       // AdamW: decoupled decay
-          else if (wd != 0) gk = gk + static_cast<T>(wd) * w[k];    // Adam: L2 in the gradient
-          mp[k] = mp[k] * static_cast<T>(b1) + gk * static_cast<T>(1 - b1);
-          vp[k] = vp[k] * static_cast<T>(b2) + static_cast<T>(1 - b2) * gk * gk;
-          T vk = vp[k];
-          if (ams) {
-            vm[k] = vm[k] > vk ? vm[k] : vk;
-            vk = vm[k];
-          }
-          const T denom = std::sqrt(vk) / static_cast<T>(bc2_sqrt) + static_cast<T>(e);
-          w[k] = w[k] - static_cast<T>(step_size) * (mp[k] / denom);
-        }
+      // The variant is chosen once, outside the loop: decoupled decay, an L2 term, AMSGrad. Tested
+      // inside the loop, the three branches (two of them conditional stores) kept GCC from
+      // vectorising it.
+      with_bool(dec, [&](auto Dec) {
+        with_bool(!dec && wd != 0, [&](auto L2) {
+          with_bool(ams, [&](auto Ams) {
+            kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+              const T decay = static_cast<T>(1 - lr * wd), l2 = static_cast<T>(wd), beta1_ = static_cast<T>(b1),
+                      beta2_ = static_cast<T>(b2), one_b1 = static_cast<T>(1 - b1), one_b2 = static_cast<T>(1 - b2),
+                      bc2 = static_cast<T>(bc2_sqrt), eps_ = static_cast<T>(e), step = static_cast<T>(step_size);
+              for (std::int64_t k = lo; k < hi; ++k) {
+                T gk = gr[k];
+                if constexpr (decltype(Dec)::value) w[k] = w[k] * decay;  // AdamW: decoupled decay
+                if constexpr (decltype(L2)::value) gk = gk + l2 * w[k];   // Adam: L2 in the gradient
+                mp[k] = mp[k] * beta1_ + gk * one_b1;
+                vp[k] = vp[k] * beta2_ + one_b2 * gk * gk;
+                T vk = vp[k];
+                if constexpr (decltype(Ams)::value) {
+                  vm[k] = vm[k] > vk ? vm[k] : vk;
+                  vk = vm[k];
+                }
+                const T denom = std::sqrt(vk) / bc2 + eps_;
+                w[k] = w[k] - step * (mp[k] / denom);
+              }
+            });
+          });
+        });
       });
     });
   });
@@ -331,10 +353,9 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
       // the same norm, bit for bit, on every run with the same thread count.
       std::vector<double> part(static_cast<std::size_t>(omp_get_max_threads()), 0.0);
       kernels::parallel_region(n, [&](int t, int nt) {
-        double s = 0;
-        for (std::int64_t k = kernels::chunk_begin(n, t, nt); k < kernels::chunk_begin(n, t + 1, nt); ++k)
-          s += static_cast<double>(d[k]) * d[k];
-        part[static_cast<std::size_t>(t)] = s;
+        const T* c = d + kernels::chunk_begin(n, t, nt);
+        part[static_cast<std::size_t>(t)] = kernels::sum16(kernels::chunk_begin(n, t + 1, nt) - kernels::chunk_begin(n, t, nt),
+                                                           [&](std::int64_t k) { return static_cast<double>(c[k]) * c[k]; });
       });
       for (double s : part) total += s;
     });

@@ -19,6 +19,7 @@
 
 #include "kernels/fastmath.h"
 #include "kernels/parallel.h"
+#include "kernels/reduce.h"
 
 namespace tg::kernels {
 
@@ -37,24 +38,6 @@ std::vector<double> rows_with_partials(std::int64_t rows, std::int64_t width, st
     for (std::int64_t j = 0; j < width; ++j) part[static_cast<std::size_t>(j)] += part[static_cast<std::size_t>(t * width + j)];
   part.resize(static_cast<std::size_t>(width));
   return part;
-}
-
-// sum_{j < n} f(j) in double, as 16 interleaved partial sums added in a fixed order at the end: the
-// compiler keeps them in four vector registers (an OpenMP simd reduction over float data compiled
-// to gathers and stack spills here), and the bits do not depend on anything but n. Four
-// independent chains rather than two, as each add waits 4-5 cycles for the previous one in its
-// chain; on RMSNorm (8192, 768) the change from 8 partials measured within noise, so it is not
-// what bounds a norm on large rows (memory is).
-template <class F>
-inline double sum16(std::int64_t n, F&& f) {
-  double p[16] = {};
-  std::int64_t j = 0;
-  for (; j + 16 <= n; j += 16)
-    for (int l = 0; l < 16; ++l) p[l] += f(j + l);
-  double tail = 0;
-  for (; j < n; ++j) tail += f(j);
-  for (int l = 0; l < 8; ++l) p[l] += p[l + 8];
-  return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7])) + tail;
 }
 
 // Adds the first n entries of src (the dg part, then the db part) into optional outputs.
