@@ -15,9 +15,14 @@
 
 namespace tg::kernels {
 
-// Clamp with plain comparisons: std::fmin/fmax are libm calls unless -ffast-math, which would stop
-// the loops from vectorising. (A NaN passes through here and is handled at the end.)
-inline float clampf(float x, float lo, float hi) { return x < lo ? lo : x > hi ? hi : x; }
+// Clamp with plain comparisons, one bound at a time: each is then a single vmaxps / vminps (whose
+// rule, "the second operand when unordered", is exactly these expressions', so a NaN passes
+// through). std::fmin/fmax are libm calls unless -ffast-math, and the nested form x < lo ? lo :
+// x > hi ? hi : x compiled to compares and blends: fast_exp was 45 instructions per vector of 8.
+inline float clampf(float x, float lo, float hi) {
+  const float a = x < lo ? lo : x;
+  return a > hi ? hi : a;
+}
 
 inline float fast_exp(float x) {
   const float xc = clampf(x, -87.33654f, 88.3762626647949f);
@@ -31,8 +36,12 @@ inline float fast_exp(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
   const float scale = std::bit_cast<float>((static_cast<std::int32_t>(n) + 127) << 23);
+  // NaN needs no test of its own: it passes the clamps and the polynomial. The two ends do: the
+  // clamps alone would give float's smallest normal below (exp(-inf) = 0 is what masked softmax
+  // entries rely on) and e^88.376 above.
   const float y = p * scale;
-  return x != x ? x : x < -87.33654f ? 0.0f : x > 88.72283f ? INFINITY : y;
+  const float lo = x < -87.33654f ? 0.0f : y;
+  return x > 88.72283f ? INFINITY : lo;
 }
 
 inline float fast_erf(float x) {
@@ -51,7 +60,7 @@ inline float fast_erf(float x) {
   q = q * x2 - 1.68282697438203e-03f;
   q = q * x2 - 7.37332916720468e-03f;
   q = q * x2 - 1.42647390514189e-02f;
-  return x != x ? x : p / q;
+  return p / q;  // a NaN x is still NaN here (it passes the clamp)
 }
 
 // The same names for double, so templated kernels can call them: libm.
