@@ -11,6 +11,7 @@
 // (batch, head) pairs write disjoint blocks, so they run in parallel; each gemm then runs on one
 // thread (OpenBLAS's OpenMP build does not nest), which suits these small products.
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "kernels/gemm.h"
@@ -19,10 +20,21 @@
 
 namespace tg::kernels {
 
+// x[0, n) = 0, in parallel when large.
+template <class T>
+void fill_zero(T* x, std::int64_t n) {
+  parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+    std::memset(x + lo, 0, static_cast<std::size_t>(hi - lo) * sizeof(T));
+  });
+}
+
 template <class T>
 void attention_forward(const T* qkv, T* y, T* P, std::int64_t B, std::int64_t Tn, std::int64_t C, std::int64_t H,
                        double scale) {
   const std::int64_t hs = C / H, ld = 3 * C;
+  // y is zeroed in one pass and each head's P v added into its column block (beta = 1): a
+  // beta = 0 product into a strided block zero-fills it row by row, T small memsets per head.
+  fill_zero(y, B * Tn * C);
   parallel_for(B * H, B * H * Tn * Tn * hs, [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t bh = lo; bh < hi; ++bh) {
       const std::int64_t b = bh / H, h = bh % H;
@@ -32,7 +44,7 @@ void attention_forward(const T* qkv, T* y, T* P, std::int64_t B, std::int64_t Tn
       T* p = P + bh * Tn * Tn;
       gemm<T>(false, true, Tn, Tn, hs, T(1), q, ld, k, ld, T(0), p, Tn);  // S = q k^T
       causal_softmax_forward(p, p, Tn, Tn, scale);                       // in place, row i sees j <= i
-      gemm<T>(false, false, Tn, hs, Tn, T(1), p, Tn, v, ld, T(0), y + b * Tn * C + h * hs, C);
+      gemm<T>(false, false, Tn, hs, Tn, T(1), p, Tn, v, ld, T(1), y + b * Tn * C + h * hs, C);
     }
   });
 }
@@ -41,9 +53,9 @@ template <class T>
 void attention_backward(const T* qkv, const T* P, const T* dy, T* dqkv, std::int64_t B, std::int64_t Tn,
                         std::int64_t C, std::int64_t H, double scale, bool acc) {
   const std::int64_t hs = C / H, ld = 3 * C;
-  // Every element of dqkv belongs to exactly one (b, h) and one of q, k, v: a fresh buffer is
-  // written with beta = 0, one holding another path's gradient is added to with beta = 1.
-  const T beta = acc ? T(1) : T(0);
+  // Every element of dqkv belongs to exactly one (b, h) and one of q, k, v. A fresh buffer is
+  // zeroed in one pass first (as y in the forward), so every product adds (beta = 1).
+  if (!acc) fill_zero(dqkv, B * Tn * 3 * C);
   parallel_for(B * H, B * H * Tn * Tn * hs, [&](std::int64_t lo, std::int64_t hi) {
     std::vector<T> dS(static_cast<std::size_t>(Tn * Tn));
     for (std::int64_t bh = lo; bh < hi; ++bh) {
@@ -58,7 +70,7 @@ void attention_backward(const T* qkv, const T* P, const T* dy, T* dqkv, std::int
       const T* g = dy + b * Tn * C + h * hs;
       T* ds = dS.data();
       gemm<T>(false, true, Tn, Tn, hs, T(1), g, C, v, ld, T(0), ds, Tn);   // dP = dY v^T
-      gemm<T>(true, false, Tn, hs, Tn, T(1), p, Tn, g, C, beta, dv, ld);   // dv (+)= P^T dY
+      gemm<T>(true, false, Tn, hs, Tn, T(1), p, Tn, g, C, T(1), dv, ld);  // dv += P^T dY
       // dS = scale * P * (dP - rowsum(dP * P)), in place over dP (zero where masked: P is 0 there)
       for (std::int64_t i = 0; i < Tn; ++i) {
         T* r = ds + i * Tn;
@@ -67,8 +79,8 @@ void attention_backward(const T* qkv, const T* P, const T* dy, T* dqkv, std::int
         for (std::int64_t j = 0; j <= i; ++j) r[j] = static_cast<T>(scale * pr[j] * (r[j] - dot));
         for (std::int64_t j = i + 1; j < Tn; ++j) r[j] = T(0);
       }
-      gemm<T>(false, false, Tn, hs, Tn, T(1), ds, Tn, k, ld, beta, dq, ld);  // dq (+)= dS k
-      gemm<T>(true, false, Tn, hs, Tn, T(1), ds, Tn, q, ld, beta, dk, ld);   // dk (+)= dS^T q
+      gemm<T>(false, false, Tn, hs, Tn, T(1), ds, Tn, k, ld, T(1), dq, ld);  // dq += dS k
+      gemm<T>(true, false, Tn, hs, Tn, T(1), ds, Tn, q, ld, T(1), dk, ld);  // dk += dS^T q
     }
   });
 }

@@ -200,6 +200,14 @@ TEST_CASE("fused causal attention equals the composite (split, permute, matmul, 
     y1.backward(dy);
     y2.backward(dy);
     CHECK(max_abs_diff(a.grad(), b.grad()) < 1e-12);
+    // qkv's gradient already holds another path's part when the attention's backward runs (the
+    // sum is recorded later, so it runs first): the kernel must add to it, not overwrite it.
+    Tensor a2 = a.detach().clone().requires_grad_(), b2 = a.detach().clone().requires_grad_();
+    Tensor z1 = (causal_attention(a2, H) * dy).sum() + (a2 * a2).sum();
+    Tensor z2 = (composite::causal_attention(b2, H) * dy).sum() + (b2 * b2).sum();
+    z1.backward();
+    z2.backward();
+    CHECK(max_abs_diff(a2.grad(), b2.grad()) < 1e-12);
   }
   require_gradcheck([](auto& in) { return causal_attention(in[0], 2); }, {param64({2, 4, 12}, 3)});
   // float32 agrees with float64 to float precision
