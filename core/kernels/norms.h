@@ -56,6 +56,9 @@ void add_param_grads(const std::vector<double>& tot, std::int64_t C, T* dg, T* d
 // g and b may be null (no affine / no bias).
 // mean is kept in double: the backward recomputes xhat = (a - mu) rstd from it, and a mean rounded
 // to float32 would cost |mu| 2^-24 rstd in xhat (5e-4 in the gradient for data centred at 1e4).
+// The elementwise terms are computed in T (float32 vectors are twice as wide as double ones) with
+// the mean split in two T values, mu = hi + lo (Dekker's trick: hi = T(mu), lo = T(mu - hi)):
+// (a - hi) - lo is a - mu to T's precision, the part of mu below hi's last bit included.
 template <class T>
 void layer_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, T* rstd, std::int64_t rows,
                         std::int64_t C, double eps) {
@@ -81,7 +84,8 @@ void layer_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, 
       const double rs = 1.0 / std::sqrt(var + eps);
       mean[r] = mu;
       rstd[r] = static_cast<T>(rs);
-      for (std::int64_t j = 0; j < C; ++j) yr[j] = static_cast<T>((xr[j] - mu) * rs) * gg[j] + bb[j];
+      const T hi = static_cast<T>(mu), lo = static_cast<T>(mu - static_cast<double>(hi)), rt = static_cast<T>(rs);
+      for (std::int64_t j = 0; j < C; ++j) yr[j] = ((xr[j] - hi) - lo) * rt * gg[j] + bb[j];
     }
   });
 }
@@ -97,18 +101,20 @@ void layer_norm_backward(const T* x, const T* g, const double* mean, const T* rs
   const std::vector<double> tot = rows_with_partials(rows, 2 * C, rows * C, [&](std::int64_t r, double* acc) {
     const T* xr = x + r * C;
     const T* gr = dy + r * C;
-    const double mu = mean[r], rs = rstd[r];
-    auto xhat = [&](std::int64_t j) { return (xr[j] - mu) * rs; };
-    auto dxhat = [&](std::int64_t j) { return static_cast<double>(gr[j]) * gg[j]; };
-    const double m1 = sum16(C, dxhat) / static_cast<double>(C);
-    const double m2 = sum16(C, [&](std::int64_t j) { return dxhat(j) * xhat(j); }) / static_cast<double>(C);
+    const T hi = static_cast<T>(mean[r]), lo = static_cast<T>(mean[r] - static_cast<double>(hi)), rs = rstd[r];
+    auto xhat = [&](std::int64_t j) { return ((xr[j] - hi) - lo) * rs; };
+    auto dxhat = [&](std::int64_t j) { return gr[j] * gg[j]; };
+    // the row means in double, the terms in T
+    const T m1 = static_cast<T>(sum16(C, [&](std::int64_t j) { return static_cast<double>(dxhat(j)); }) / static_cast<double>(C));
+    const T m2 = static_cast<T>(sum16(C, [&](std::int64_t j) { return static_cast<double>(dxhat(j) * xhat(j)); }) /
+                                static_cast<double>(C));
     if (dg)
       for (std::int64_t j = 0; j < C; ++j) acc[j] += gr[j] * xhat(j);
     if (db)
       for (std::int64_t j = 0; j < C; ++j) acc[C + j] += gr[j];
     if (!dx) return;
     T* dr = dx + r * C;
-    for (std::int64_t j = 0; j < C; ++j) put<decltype(A)>(dr[j], static_cast<T>(rs * (dxhat(j) - m1 - xhat(j) * m2)));
+    for (std::int64_t j = 0; j < C; ++j) put<decltype(A)>(dr[j], rs * (dxhat(j) - m1 - xhat(j) * m2));
   });
   add_param_grads(tot, C, dg, db);
   });
