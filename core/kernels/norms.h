@@ -85,7 +85,10 @@ void layer_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, 
       mean[r] = mu;
       rstd[r] = static_cast<T>(rs);
       const T hi = static_cast<T>(mu), lo = static_cast<T>(mu - static_cast<double>(hi)), rt = static_cast<T>(rs);
-      for (std::int64_t j = 0; j < C; ++j) yr[j] = ((xr[j] - hi) - lo) * rt * gg[j] + bb[j];
+      if (std::isfinite(rt))
+        for (std::int64_t j = 0; j < C; ++j) yr[j] = ((xr[j] - hi) - lo) * rt * gg[j] + bb[j];
+      else  // 1/std beyond T's range (a row of subnormals with eps = 0): the product in double
+        for (std::int64_t j = 0; j < C; ++j) yr[j] = static_cast<T>((xr[j] - mu) * rs) * gg[j] + bb[j];
     }
   });
 }

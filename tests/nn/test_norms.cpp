@@ -147,6 +147,12 @@ TEST_CASE("float32 LayerNorm and BatchNorm stay accurate on data with mean 1e4 a
   Tensor bn64 = batch_norm(x64, Tensor(), Tensor(), Tensor(), Tensor(), true);
   Tensor bn32 = batch_norm(x32, Tensor(), Tensor(), Tensor(), Tensor(), true);
   CHECK(max_abs_diff(bn32.to(float64), bn64) < 1e-2);
+  // A row of subnormals with eps = 0: 1/std (2e40) is beyond float32, the normalised row is not.
+  Tensor sub = zeros({1, 2}, float32);
+  sub.set({0, 0}, -1e-40);
+  Tensor lsub = layer_norm(sub, Tensor(), Tensor(), 0.0);
+  CHECK(std::fabs(lsub.at({0, 0}) + 1.0) < 1e-3);
+  CHECK(std::fabs(lsub.at({0, 1}) - 1.0) < 1e-3);
   // and the gradients
   Tensor a = x32.clone().requires_grad_(), b = x64.clone().requires_grad_();
   Tensor dy = param64({64, 32}, 43).detach();
