@@ -23,23 +23,6 @@
 
 namespace tg::kernels {
 
-// Calls body(r, acc) for r in [0, rows), in parallel when work is large; acc is the calling
-// thread's zero-initialised double buffer of `width`. Returns the element-wise sum of the buffers.
-template <class F>
-std::vector<double> rows_with_partials(std::int64_t rows, std::int64_t width, std::int64_t work, F&& body) {
-  const bool par = rows > 1 && worth_parallel(work);
-  const int nt = par ? omp_get_max_threads() : 1;
-  std::vector<double> part(static_cast<std::size_t>(nt * width), 0.0);
-  parallel_region(par ? work : 0, [&](int t, int n_threads) {
-    double* acc = part.data() + static_cast<std::size_t>(t) * static_cast<std::size_t>(width);
-    for (std::int64_t r = chunk_begin(rows, t, n_threads); r < chunk_begin(rows, t + 1, n_threads); ++r) body(r, acc);
-  });
-  for (int t = 1; t < nt; ++t)
-    for (std::int64_t j = 0; j < width; ++j) part[static_cast<std::size_t>(j)] += part[static_cast<std::size_t>(t * width + j)];
-  part.resize(static_cast<std::size_t>(width));
-  return part;
-}
-
 // Adds the first n entries of src (the dg part, then the db part) into optional outputs.
 template <class T>
 void add_param_grads(const std::vector<double>& tot, std::int64_t C, T* dg, T* db) {

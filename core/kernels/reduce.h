@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "kernels/parallel.h"
 
@@ -34,6 +35,23 @@ inline double sum16(std::int64_t n, F&& f) {
 }
 
 
+// Calls body(r, acc) for r in [0, rows), in parallel when work is large; acc is the calling
+// thread's zero-initialised double buffer of `width`. Returns the element-wise sum of the buffers.
+template <class F>
+std::vector<double> rows_with_partials(std::int64_t rows, std::int64_t width, std::int64_t work, F&& body) {
+  const bool par = rows > 1 && worth_parallel(work);
+  const int nt = par ? omp_get_max_threads() : 1;
+  std::vector<double> part(static_cast<std::size_t>(nt * width), 0.0);
+  parallel_region(par ? work : 0, [&](int t, int n_threads) {
+    double* acc = part.data() + static_cast<std::size_t>(t) * static_cast<std::size_t>(width);
+    for (std::int64_t r = chunk_begin(rows, t, n_threads); r < chunk_begin(rows, t + 1, n_threads); ++r) body(r, acc);
+  });
+  for (int t = 1; t < nt; ++t)
+    for (std::int64_t j = 0; j < width; ++j) part[static_cast<std::size_t>(j)] += part[static_cast<std::size_t>(t * width + j)];
+  part.resize(static_cast<std::size_t>(width));
+  return part;
+}
+
 // Calls body(o, i0, i1) over blocks of the output grid, in parallel when the work is large.
 template <class F>
 void for_reduce_blocks(std::int64_t O, std::int64_t R, std::int64_t I, F&& body) {
@@ -50,6 +68,19 @@ void for_reduce_blocks(std::int64_t O, std::int64_t R, std::int64_t I, F&& body)
 // y[o, i] = scale * sum_r x[o, r, i]   (scale = 1 for sum, 1/R for mean)
 template <class T>
 void sum_forward(const T* x, T* y, std::int64_t O, std::int64_t R, std::int64_t I, double scale) {
+  if (O * ((I + kReduceBlock - 1) / kReduceBlock) < omp_get_max_threads() && R > 1 && worth_parallel(O * R * I)) {
+    // Fewer output blocks than threads (a bias gradient: column sums of a (rows, 128) matrix is
+    // one block): the reduced axis is split instead, each thread summing its rows into its own
+    // double buffer, the buffers added in thread order (the same bits on every run).
+    for (std::int64_t o = 0; o < O; ++o) {
+      const std::vector<double> tot = rows_with_partials(R, I, R * I, [&](std::int64_t r, double* acc) {
+        const T* row = x + (o * R + r) * I;
+        for (std::int64_t i = 0; i < I; ++i) acc[i] += row[i];
+      });
+      for (std::int64_t i = 0; i < I; ++i) y[o * I + i] = static_cast<T>(tot[static_cast<std::size_t>(i)] * scale);
+    }
+    return;
+  }
   for_reduce_blocks(O, R, I, [&](std::int64_t o, std::int64_t i0, std::int64_t i1) {
     double acc[kReduceBlock] = {};
     for (std::int64_t r = 0; r < R; ++r) {

@@ -378,3 +378,26 @@ TEST_CASE("large reductions (parallel, several column blocks) match the referenc
   CHECK(mismatches == 0);
   require_gradcheck([](const std::vector<Tensor>& in) { return var(in[0], {1}); }, {x});
 }
+
+TEST_CASE("sum and mean with fewer output blocks than threads split the reduced axis (2 and 3 threads)") {
+  // Column sums of a tall matrix (a bias gradient) are one block of output: kernels::sum_forward
+  // then gives each thread a share of the rows and adds the per-thread sums in thread order.
+  const int before = get_num_threads();
+  for (int threads : {2, 3}) {
+    set_num_threads(threads);
+    for (const AxesCase& c : {AxesCase{"first axis of a tall matrix", {3000, 20}, {0}},
+                              AxesCase{"all axes of a long vector", {40000}, {}},
+                              AxesCase{"middle axis, two outputs", {2, 2000, 24}, {1}}}) {
+      const std::vector<double> xv = grid_values(c.shape.numel(), 77);
+      for (Red r : {Red::Sum, Red::Mean})
+        for (DType dt : kFloatTypes) {
+          INFO(c.what << ": " << red_name(r) << " of " << c.shape << " in " << dt << ", " << threads << " threads");
+          Tensor y = apply(r, tensor(xv, c.shape, dt), c.axes, false);
+          check_close_tight(y, ref_reduce(c.shape, xv, c.axes, r), 1e-6);
+          // the same bits on a second run
+          CHECK(max_abs_diff(apply(r, tensor(xv, c.shape, dt), c.axes, false), y) == 0);
+        }
+    }
+  }
+  set_num_threads(before);
+}
