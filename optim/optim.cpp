@@ -4,7 +4,6 @@
 #include <cstring>
 #include <numbers>
 #include <sstream>
-#include <type_traits>
 
 #include "kernels/parallel.h"
 #include "kernels/reduce.h"
@@ -21,14 +20,6 @@ void dispatch(const char* op, DType d, F&& f) {
   if (d == DType::f32) f(float{});
   else if (d == DType::f64) f(double{});
   else fail(op, "parameters must be float32 or float64, got ", d);
-}
-
-// f(std::true_type) or f(std::false_type): a runtime flag as a compile-time one, so that each
-// variant of an update loop is its own branch-free loop.
-template <class F>
-void with_bool(bool b, F&& f) {
-  if (b) f(std::true_type{});
-  else f(std::false_type{});
 }
 
 // The per-parameter state keys an optimizer of a known kind keeps: scalar (a float64 0-d tensor)
@@ -279,9 +270,9 @@ void Adam::step() {
       // The variant is chosen once, outside the loop: decoupled decay, an L2 term, AMSGrad. Tested
       // inside the loop, the three branches (two of them conditional stores) kept GCC from
       // vectorising it.
-      with_bool(dec, [&](auto Dec) {
-        with_bool(!dec && wd != 0, [&](auto L2) {
-          with_bool(ams, [&](auto Ams) {
+      kernels::with_bool(dec, [&](auto Dec) {
+        kernels::with_bool(!dec && wd != 0, [&](auto L2) {
+          kernels::with_bool(ams, [&](auto Ams) {
             kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
               const T decay = static_cast<T>(1 - lr * wd), l2 = static_cast<T>(wd), beta1_ = static_cast<T>(b1),
                       beta2_ = static_cast<T>(b2), one_b1 = static_cast<T>(1 - b1), one_b2 = static_cast<T>(1 - b2),

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // A pragma from a macro argument (e.g. TG_PRAGMA(omp simd reduction(+ : s)) inside a kernel).
@@ -59,14 +60,22 @@ void parallel_region(std::int64_t work, F&& body) {
   body(omp_get_thread_num(), omp_get_num_threads());
 }
 
+// f(std::true_type) or f(std::false_type): a run-time flag as a compile-time one, so that each
+// variant of a loop is its own plain, vectorisable loop (a flag tested inside a loop, above all
+// one guarding a store, keeps GCC from vectorising it).
+template <class F>
+void with_bool(bool b, F&& f) {
+  if (b) f(std::true_type{});
+  else f(std::false_type{});
+}
+
 // ---- writing gradients ----
 // A backward kernel either overwrites a fresh gradient buffer or adds into one that already holds
-// another path's contribution (Node::grad_dest). with_acc turns the runtime flag into a compile-time
-// one so each variant is its own plain, vectorisable loop; put<A> is the store.
+// another path's contribution (Node::grad_dest): with_acc(acc, f) is with_bool for that flag, and
+// put<A> is the store.
 template <class F>
 void with_acc(bool acc, F&& f) {
-  if (acc) f(std::true_type{});
-  else f(std::false_type{});
+  with_bool(acc, std::forward<F>(f));
 }
 template <class A, class T>
 inline void put(T& d, T v) {

@@ -34,7 +34,6 @@ inline double sum16(std::int64_t n, F&& f) {
   return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7])) + tail;
 }
 
-
 // Calls body(r, acc) for r in [0, rows), in parallel when work is large; acc is the calling
 // thread's zero-initialised double buffer of `width`. Returns the element-wise sum of the buffers.
 template <class F>
