@@ -102,9 +102,7 @@ WeightNorm::WeightNorm(const Linear& lin) : in_features(lin.in_features), out_fe
 Tensor WeightNorm::weight() const { return weight_norm(weight_v, weight_g); }
 Tensor WeightNorm::forward(const Tensor& x) {
   check_input("WeightNorm", x, in_features);
-  Tensor y = matmul(x.dim() == 1 ? x.reshape({1, in_features}) : x, weight(), false, true);
-  if (bias.defined()) y = y + bias;
-  return x.dim() == 1 ? y.reshape({out_features}) : y;
+  return linear(x, weight(), bias);  // as Linear, with w = g v / |v| (1-D inputs included)
 }
 std::string WeightNorm::extra_repr() const {
   return "in_features=" + std::to_string(in_features) + ", out_features=" + std::to_string(out_features) +

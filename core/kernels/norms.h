@@ -307,28 +307,14 @@ void causal_softmax_row(const T* xr, T* yr, std::int64_t i, std::int64_t width, 
   // the maximum is exactly 0: computed on the fly, s x_j - m contracts to a fused multiply-add
   // whose exact product differs from the rounded m, and at large scales that difference alone
   // overflows exp.
-  // Each step is its own loop so that it vectorises: the maximum over 8 interleaved lanes (a
-  // single running max is a loop-carried dependency GCC keeps scalar without -ffast-math), exp on
-  // its own (fast_exp is branch-free), and the sum in 16 double lanes (sum16).
+  // Each step is its own loop so that it vectorises (row_max, exp_shifted): one loop with a
+  // running sum kept fast_exp scalar.
   const std::int64_t n = i + 1;
-  T lane[8];
-  for (T& l : lane) l = -std::numeric_limits<T>::infinity();
-  std::int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    for (int l = 0; l < 8; ++l) {
-      yr[j + l] = sc * xr[j + l];
-      lane[l] = yr[j + l] > lane[l] ? yr[j + l] : lane[l];
-    }
-  T m = -std::numeric_limits<T>::infinity();
-  for (; j < n; ++j) {
-    yr[j] = sc * xr[j];
-    m = yr[j] > m ? yr[j] : m;
-  }
-  for (const T l : lane) m = l > m ? l : m;
-  for (j = 0; j < n; ++j) yr[j] = fast_exp(yr[j] - m);
-  const double inv = 1.0 / sum16(n, [&](std::int64_t k) { return static_cast<double>(yr[k]); });
-  for (j = 0; j < n; ++j) yr[j] = static_cast<T>(yr[j] * inv);
-  for (j = n; j < width; ++j) yr[j] = T(0);
+  for (std::int64_t j = 0; j < n; ++j) yr[j] = sc * xr[j];
+  const T m = row_max(yr, n);
+  const double inv = 1.0 / exp_shifted(yr, m, yr, n);
+  for (std::int64_t j = 0; j < n; ++j) yr[j] = static_cast<T>(yr[j] * inv);
+  for (std::int64_t j = n; j < width; ++j) yr[j] = T(0);
 }
 
 template <class T>

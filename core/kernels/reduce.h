@@ -10,6 +10,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/fastmath.h"
 #include "kernels/parallel.h"
 
 namespace tg::kernels {
@@ -32,6 +33,30 @@ inline double sum16(std::int64_t n, F&& f) {
   for (; j < n; ++j) tail += f(j);
   for (int l = 0; l < 8; ++l) p[l] += p[l + 8];
   return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7])) + tail;
+}
+
+// max_{j < n} x[j] over 8 interleaved lanes: a single running maximum is a loop-carried
+// dependency that GCC keeps scalar without -ffast-math. NaN entries are skipped (comparisons with
+// NaN are false), as a plain running max skips them; -inf for n = 0.
+template <class T>
+inline T row_max(const T* x, std::int64_t n) {
+  T lane[8];
+  for (T& l : lane) l = -std::numeric_limits<T>::infinity();
+  std::int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) lane[l] = x[j + l] > lane[l] ? x[j + l] : lane[l];
+  T m = -std::numeric_limits<T>::infinity();
+  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+  for (const T l : lane) m = l > m ? l : m;
+  return m;
+}
+
+// y[j] = exp(x[j] - m) for j < n (y may be x), returning sum_j y[j] in double. Two loops, so that
+// the exp loop vectorises: with the running double sum in the same loop, fast_exp ran scalar.
+template <class T>
+inline double exp_shifted(const T* x, T m, T* y, std::int64_t n) {
+  for (std::int64_t j = 0; j < n; ++j) y[j] = fast_exp(x[j] - m);
+  return sum16(n, [&](std::int64_t j) { return static_cast<double>(y[j]); });
 }
 
 // Calls body(r, acc) for r in [0, rows), in parallel when work is large; acc is the calling

@@ -8,9 +8,9 @@
 
 #include "kernels/fastmath.h"
 #include "kernels/parallel.h"
+#include "kernels/reduce.h"
 
 namespace tg::kernels {
-
 
 // y = exp(x - max) / sum exp(x - max). A row that is entirely -inf (fully masked) gives NaN, as in PyTorch.
 template <class T>
@@ -19,14 +19,7 @@ void softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t C) {
     for (std::int64_t r = lo; r < hi; ++r) {
       const T* xr = x + r * C;
       T* yr = y + r * C;
-      T mx = -std::numeric_limits<T>::infinity();
-      for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
-      double s = 0;
-      for (std::int64_t c = 0; c < C; ++c) {
-        yr[c] = fast_exp(xr[c] - mx);
-        s += yr[c];
-      }
-      const T inv = static_cast<T>(1.0 / s);
+      const T inv = static_cast<T>(1.0 / exp_shifted(xr, row_max(xr, C), yr, C));
       for (std::int64_t c = 0; c < C; ++c) yr[c] *= inv;
     }
   });
@@ -40,8 +33,7 @@ void softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::in
       const T* yr = y + r * C;
       const T* gr = dy + r * C;
       T* dr = dx + r * C;
-      double dot = 0;
-      for (std::int64_t c = 0; c < C; ++c) dot += static_cast<double>(gr[c]) * yr[c];
+      const double dot = sum16(C, [&](std::int64_t c) { return static_cast<double>(gr[c]) * yr[c]; });
       for (std::int64_t c = 0; c < C; ++c) put<decltype(A)>(dr[c], yr[c] * (gr[c] - static_cast<T>(dot)));
     }
   });
@@ -52,13 +44,12 @@ void softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::in
 template <class T>
 void log_softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t C) {
   parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
+    std::vector<T> e(static_cast<std::size_t>(C));  // the exps, only summed
     for (std::int64_t r = lo; r < hi; ++r) {
       const T* xr = x + r * C;
       T* yr = y + r * C;
-      T mx = -std::numeric_limits<T>::infinity();
-      for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
-      double s = 0;
-      for (std::int64_t c = 0; c < C; ++c) s += fast_exp(xr[c] - mx);
+      const T mx = row_max(xr, C);
+      const double s = exp_shifted(xr, mx, e.data(), C);
       // (x - max) - log(s), not x - (max + log(s)): x - max is exact (Sterbenz) and log(s) is
       // small, whereas rounding max + log(s) to T first loses log(s)'s low digits when |max| is
       // large (float32 logits near 1000 gave log-probabilities off by ~2e-5).
@@ -76,9 +67,8 @@ void log_softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std
       const T* yr = y + r * C;
       const T* gr = dy + r * C;
       T* dr = dx + r * C;
-      double s = 0;
-      for (std::int64_t c = 0; c < C; ++c) s += gr[c];
-      for (std::int64_t c = 0; c < C; ++c) put<decltype(A)>(dr[c], gr[c] - fast_exp(yr[c]) * static_cast<T>(s));
+      const T s = static_cast<T>(sum16(C, [&](std::int64_t c) { return static_cast<double>(gr[c]); }));
+      for (std::int64_t c = 0; c < C; ++c) put<decltype(A)>(dr[c], gr[c] - fast_exp(yr[c]) * s);
     }
   });
   });
@@ -94,13 +84,11 @@ double cross_entropy_forward(const T* x, const std::int32_t* t, T* lse, std::int
   std::vector<double> part(static_cast<std::size_t>(omp_get_max_threads()), 0.0);
   parallel_region(rows * C, [&](int th, int nt) {
     double total = 0;
+    std::vector<T> e(static_cast<std::size_t>(C));  // the exps, only summed
     for (std::int64_t r = chunk_begin(rows, th, nt); r < chunk_begin(rows, th + 1, nt); ++r) {
       const T* xr = x + r * C;
-      T mx = -std::numeric_limits<T>::infinity();
-      for (std::int64_t c = 0; c < C; ++c) mx = xr[c] > mx ? xr[c] : mx;
-      double s = 0;
-      for (std::int64_t c = 0; c < C; ++c) s += fast_exp(xr[c] - mx);
-      const double l = mx + std::log(s);
+      const T mx = row_max(xr, C);
+      const double l = mx + std::log(exp_shifted(xr, mx, e.data(), C));
       lse[r] = static_cast<T>(l);
       if (t[r] != ignore_index) total += l - xr[t[r]];
     }
