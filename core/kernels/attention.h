@@ -11,7 +11,6 @@
 // (batch, head) pairs write disjoint blocks, so they run in parallel; each gemm then runs on one
 // thread (OpenBLAS's OpenMP build does not nest), which suits these small products.
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "kernels/gemm.h"
@@ -19,14 +18,6 @@
 #include "kernels/parallel.h"
 
 namespace tg::kernels {
-
-// x[0, n) = 0, in parallel when large.
-template <class T>
-void fill_zero(T* x, std::int64_t n) {
-  parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-    std::memset(x + lo, 0, static_cast<std::size_t>(hi - lo) * sizeof(T));
-  });
-}
 
 template <class T>
 void attention_forward(const T* qkv, T* y, T* P, std::int64_t B, std::int64_t Tn, std::int64_t C, std::int64_t H,
@@ -71,14 +62,9 @@ void attention_backward(const T* qkv, const T* P, const T* dy, T* dqkv, std::int
       T* ds = dS.data();
       gemm<T>(false, true, Tn, Tn, hs, T(1), g, C, v, ld, T(0), ds, Tn);   // dP = dY v^T
       gemm<T>(true, false, Tn, hs, Tn, T(1), p, Tn, g, C, T(1), dv, ld);  // dv += P^T dY
-      // dS = scale * P * (dP - rowsum(dP * P)), in place over dP (zero where masked: P is 0 there)
-      for (std::int64_t i = 0; i < Tn; ++i) {
-        T* r = ds + i * Tn;
-        const T* pr = p + i * Tn;
-        const double dot = sum16(i + 1, [&](std::int64_t j) { return static_cast<double>(r[j]) * pr[j]; });
-        for (std::int64_t j = 0; j <= i; ++j) r[j] = static_cast<T>(scale * pr[j] * (r[j] - dot));
-        for (std::int64_t j = i + 1; j < Tn; ++j) r[j] = T(0);
-      }
+      // dS = scale * P * (dP - rowsum(dP * P)), in place over dP, 0 where masked: the scaled
+      // causal softmax's backward (serial here, inside the parallel loop over heads)
+      causal_softmax_backward(p, ds, ds, Tn, Tn, scale, false);
       gemm<T>(false, false, Tn, hs, Tn, T(1), ds, Tn, k, ld, T(1), dq, ld);  // dq += dS k
       gemm<T>(true, false, Tn, hs, Tn, T(1), ds, Tn, q, ld, T(1), dk, ld);  // dk += dS^T q
     }

@@ -13,6 +13,7 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -58,6 +59,14 @@ void parallel_region(std::int64_t work, F&& body) {
   }
 #pragma omp parallel
   body(omp_get_thread_num(), omp_get_num_threads());
+}
+
+// x[0, n) = 0, in parallel when large.
+template <class T>
+void fill_zero(T* x, std::int64_t n) {
+  parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+    std::memset(x + lo, 0, static_cast<std::size_t>(hi - lo) * sizeof(T));
+  });
 }
 
 // f(std::true_type) or f(std::false_type): a run-time flag as a compile-time one, so that each

@@ -4,6 +4,8 @@
 // dims, I of the dims after); other axis sets are permuted to it first (core/ops/reduce.cpp).
 // Accumulation is in double for both dtypes; variance is two-pass (mean, then squared
 // deviations), which does not cancel catastrophically the way E[x^2] - E[x]^2 does.
+// Also the row helpers the other kernels share: sum16 (a vectorisable double sum), row_max,
+// exp_shifted (the softmax's exp and sum) and rows_with_partials (per-thread column sums).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -3,7 +3,6 @@
 // cross-entropy. All subtract the row maximum first, so exp never overflows.
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 #include "kernels/fastmath.h"

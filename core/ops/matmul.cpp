@@ -1,4 +1,5 @@
-// matmul: C = op(A) op(B) over broadcast batch dims, every product a BLAS gemm.
+// matmul: C = op(A) op(B) over broadcast batch dims, every product a BLAS gemm; and linear
+// (x w^T + b, PyTorch's F.linear) at the end of the file.
 //
 // Backward, with dC the upstream gradient (per batch):
 //   d op(A) = dC op(B)^T,   d op(B) = op(A)^T dC,
