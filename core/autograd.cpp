@@ -1,6 +1,7 @@
 #include "tapegrad/autograd.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <iomanip>
 #include <ostream>
@@ -40,16 +41,8 @@ void Arena::reset() {
   end_ = blocks_.empty() ? nullptr : blocks_[0].first + blocks_[0].second;
 }
 
-void* Arena::do_allocate(std::size_t bytes, std::size_t align) {
+void* Arena::allocate_slow(std::size_t bytes, std::size_t align) {
   for (;;) {
-    if (ptr_) {
-      const auto p = reinterpret_cast<std::uintptr_t>(ptr_);
-      const std::uintptr_t a = (p + align - 1) & ~(static_cast<std::uintptr_t>(align) - 1);
-      if (a + bytes <= reinterpret_cast<std::uintptr_t>(end_)) {
-        ptr_ = reinterpret_cast<char*>(a + bytes);
-        return reinterpret_cast<void*>(a);
-      }
-    }
     // The next kept block, or a new one (64 KiB, doubling, at least big enough for this request).
     const std::size_t next = ptr_ ? block_ + 1 : 0;
     if (next >= blocks_.size()) {
@@ -64,6 +57,12 @@ void* Arena::do_allocate(std::size_t bytes, std::size_t align) {
     block_ = next;
     ptr_ = blocks_[next].first;
     end_ = ptr_ + blocks_[next].second;
+    const auto p = reinterpret_cast<std::uintptr_t>(ptr_);
+    const std::uintptr_t a = (p + align - 1) & ~(static_cast<std::uintptr_t>(align) - 1);
+    if (a + bytes <= reinterpret_cast<std::uintptr_t>(end_)) {
+      ptr_ = reinterpret_cast<char*>(a + bytes);
+      return reinterpret_cast<void*>(a);
+    }
   }
 }
 
@@ -102,6 +101,11 @@ Tensor Node::grad_in(std::size_t i) const {
   return inputs[i]->grad_accumulator();
 }
 
+GradDest Node::grad_add(std::size_t i) const {
+  if (!needs_grad(i)) return GradDest{};
+  return GradDest{&inputs[i]->grad_accumulator(), true};
+}
+
 GradDest Node::grad_dest(std::size_t i) const {
   GradDest d;
   if (!needs_grad(i)) return d;
@@ -111,14 +115,30 @@ GradDest Node::grad_dest(std::size_t i) const {
   bool aliased = false;
   for (std::size_t j = 0; j < inputs.size(); ++j) aliased = aliased || (j != i && inputs[j].get() == &m);
   if (m.grad.defined() || aliased) {
-    d.buf = m.grad_accumulator();
+    d.buf = &m.grad_accumulator();
     d.acc = true;
   } else {
     m.grad = Tensor::empty(m.shape, m.dtype);
-    d.buf = m.grad;
+    d.buf = &m.grad;
     d.acc = false;
   }
   return d;
+}
+
+GradDest Node::grad_dest_over(std::size_t i, std::size_t j) const {
+  if (needs_grad(i)) {
+    AutogradMeta& m = *inputs[i];
+    AutogradMeta& o = *outputs[j];
+    bool aliased = false;
+    for (std::size_t k = 0; k < inputs.size(); ++k) aliased = aliased || (k != i && inputs[k].get() == &m);
+    if (!m.grad.defined() && !aliased && !o.retains_grad && o.grad.sole_owner() && o.grad.dtype() == m.dtype &&
+        o.grad.numel() == m.shape.numel()) {
+      m.grad = std::move(o.grad);  // leaves o.grad undefined (no storage)
+      if (!(m.grad.shape() == m.shape)) m.grad = m.grad.alias(m.shape);
+      return GradDest{&m.grad, false};
+    }
+  }
+  return grad_dest(i);
 }
 
 std::size_t Node::bytes_saved() const {
@@ -158,6 +178,9 @@ void Tape::free_node(std::size_t i) {
   n.saved.destroy();
   n.release_backward();
   n.inputs.destroy();
+  // The outputs' slots go too, while the walk has them in cache (not in a later pass of clear()).
+  // A freed node is found from its outputs' side instead: their slots keep the node's index.
+  n.outputs.destroy();
   --live_;
 }
 
@@ -255,17 +278,20 @@ bool should_record(std::initializer_list<const Tensor*> inputs) {
 namespace detail {
 
 Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in, Tensor* const* outputs,
-                  std::size_t n_out, const Tensor* saved, std::size_t n_saved) {
+                  std::size_t n_out, const Tensor* saved, std::size_t n_saved, std::size_t closure_bytes,
+                  std::size_t closure_align) {
   using Meta = std::shared_ptr<AutogradMeta>;
   static_assert(alignof(Meta) <= alignof(Tensor) && alignof(Shape) <= alignof(Tensor));
   Tape& tp = tape();
   Node& n = tp.push();
-  // One arena block for the four arrays: saved tensors first (the strictest alignment). Shapes are
-  // kept only for inputs without an autograd slot (the slot has the shape of the others).
+  // One arena allocation for the four arrays and the closure: saved tensors first (the strictest
+  // alignment of the arrays), the closure last. Shapes are kept only for inputs without an
+  // autograd slot (the slot has the shape of the others).
   std::size_t n_other = 0;
   for (std::size_t i = 0; i < n_in; ++i) n_other += inputs[i]->requires_grad() ? 0 : 1;
-  const std::size_t bytes = n_saved * sizeof(Tensor) + (n_in + n_out) * sizeof(Meta) + n_other * sizeof(Shape);
-  char* mem = static_cast<char*>(tp.arena()->allocate(bytes ? bytes : 1, alignof(Tensor)));
+  const std::size_t arrays = n_saved * sizeof(Tensor) + (n_in + n_out) * sizeof(Meta) + n_other * sizeof(Shape);
+  const std::size_t closure_at = (arrays + closure_align - 1) / closure_align * closure_align;
+  char* mem = static_cast<char*>(tp.arena().allocate(closure_at + closure_bytes, std::max(alignof(Tensor), closure_align)));
   auto* sv = reinterpret_cast<Tensor*>(mem);
   auto* in = reinterpret_cast<Meta*>(mem + n_saved * sizeof(Tensor));
   auto* out = in + n_in;
@@ -296,6 +322,7 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
   n.other_shapes = NodeArray<Shape>(shapes, n_other);
   n.saved = NodeArray<Tensor>(sv, n_saved);
   n.undefined_inputs = undefined;
+  n.backward.obj = mem + closure_at;  // raw memory until record_with constructs the closure
   return n;
 }
 
@@ -349,6 +376,12 @@ DetectAnomalyGuard::~DetectAnomalyGuard() { t_anomaly = prev_; }
 namespace detail {
 
 bool anomaly_enabled() { return t_anomaly; }
+
+namespace {
+std::atomic<bool> g_retain_grad_used{false};
+}
+void note_retain_grad() { g_retain_grad_used.store(true, std::memory_order_relaxed); }
+bool retain_grad_used() { return g_retain_grad_used.load(std::memory_order_relaxed); }
 
 void check_anomaly_outputs(const char* op, std::size_t index, const Node& n, const Tensor* const* outputs,
                            std::size_t n_out, const Tensor* const* inputs, std::size_t n_in) {
@@ -426,24 +459,37 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   // The caller's upstream gradient may be shared with the root (not copied) unless it is the
   // memory of a gradient this walk adds into (y.backward(x.grad()) with x in y's graph).
   bool seed_aliased = false;
-  auto note = [&](const std::shared_ptr<AutogradMeta>& m) {
-    if (!m->grad.defined()) return;
-    if (m->node >= 0 && m->retains_grad) retained.push_back(m);
-    seed_aliased = seed_aliased || m->grad.shares_storage(seed);
-  };
   rm.visit = mark;
-  note(root.meta());
-  for (std::int64_t i = rm.node; i >= 0; --i) {
-    Node& n = tp.node(static_cast<std::size_t>(i));
-    bool reached = false;
-    for (const auto& o : n.outputs) reached = reached || o->visit == mark;
-    if (!reached) continue;
-    if (n.freed) fail("backward", freed_msg, " (op '", n.op, "', node ", i, ")");
-    for (const auto& in : n.inputs)
-      if (in && in->visit != mark) {
-        in->visit = mark;
-        note(in);
-      }
+  // Pass 1 can find something only when the tape holds freed nodes, a retained gradient may exist,
+  // or the caller passed a gradient. Otherwise (a training step) the marks are made during the
+  // walk itself, which is equivalent because every consumer of a tensor runs before its producer,
+  // and a pass over the whole tape is saved.
+  if (grad.defined() || tp.live() != tp.size() || detail::retain_grad_used()) {
+    auto note = [&](const std::shared_ptr<AutogradMeta>& m) {
+      if (!m->grad.defined()) return;
+      if (m->node >= 0 && m->retains_grad) retained.push_back(m);
+      seed_aliased = seed_aliased || m->grad.shares_storage(seed);
+    };
+    // A freed node's outputs are gone; it is recognised through a tensor made by it.
+    auto check_producer = [&](const AutogradMeta& m) {
+      if (m.node >= 0 && m.generation == tp.generation() && tp.node(static_cast<std::size_t>(m.node)).freed)
+        fail("backward", freed_msg, " (op '", tp.node(static_cast<std::size_t>(m.node)).op, "', node ", m.node, ")");
+    };
+    check_producer(rm);
+    note(root.meta());
+    for (std::int64_t i = rm.node; i >= 0; --i) {
+      Node& n = tp.node(static_cast<std::size_t>(i));
+      if (n.freed) continue;
+      bool reached = false;
+      for (const auto& o : n.outputs) reached = reached || o->visit == mark;
+      if (!reached) continue;
+      for (const auto& in : n.inputs)
+        if (in && in->visit != mark) {
+          check_producer(*in);
+          in->visit = mark;
+          note(in);
+        }
+    }
   }
   std::vector<std::pair<std::shared_ptr<AutogradMeta>, Tensor>> kept;
   for (auto& m : retained) {
@@ -493,6 +539,8 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
     bool reached = false;
     for (const auto& o : n.outputs) reached = reached || (o->visit == mark && o->grad.defined());
     if (!reached || n.freed) continue;
+    for (const auto& in : n.inputs)
+      if (in) in->visit = mark;
     n.run_backward();
     if (anomaly) detail::check_anomaly_backward(n, static_cast<std::size_t>(i));
     // An intermediate gradient is dead once its node has run: free it (PyTorch keeps only leaves').

@@ -16,12 +16,6 @@ Shape::Shape(const std::vector<std::int64_t>& dims) {
   for (auto v : dims) d_[static_cast<std::size_t>(n_++)] = v;
 }
 
-std::int64_t Shape::numel() const {
-  std::int64_t n = 1;
-  for (int i = 0; i < n_; ++i) n *= d_[static_cast<std::size_t>(i)];
-  return n;
-}
-
 void Shape::push_back(std::int64_t v) {
   if (n_ == kMaxDims) fail("Shape", "at most ", kMaxDims, " dims");
   d_[static_cast<std::size_t>(n_++)] = v;

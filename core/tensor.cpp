@@ -75,21 +75,27 @@ struct PoolAllocator {
   bool operator==(const PoolAllocator<U>&) const noexcept { return true; }
 };
 
-void check_shape(const char* op, const Shape& s) {
-  for (int i = 0; i < s.ndim(); ++i)
-    if (s[i] < 0) fail(op, "negative dimension in shape ", s);
-  // Sizes beyond 1 TiB are refused before anything is allocated (and before the byte count could
-  // overflow): no machine this runs on has that much memory, and the allocator's own failure is
-  // a less helpful message (or, under AddressSanitizer, an abort).
-  double n = 8;
-  for (int i = 0; i < s.ndim(); ++i) n *= static_cast<double>(s[i]);
-  if (n > static_cast<double>(std::int64_t(1) << 40)) fail(op, "shape ", s, " is too large (over 1 TiB)");
+// The shape's byte count, refusing negative dimensions and sizes beyond 1 TiB before anything is
+// allocated (and before the count could overflow): no machine this runs on has that much memory,
+// and the allocator's own failure is a less helpful message (or, under AddressSanitizer, an abort).
+std::size_t checked_bytes(const char* op, const Shape& s, std::size_t itemsize) {
+  constexpr std::uint64_t kMax = std::uint64_t(1) << 40;
+  std::uint64_t n = itemsize;
+  bool negative = false, zero = false, big = false;
+  for (std::int64_t d : s) {
+    negative = negative || d < 0;
+    zero = zero || d == 0;
+    if (d > 0 && !big) big = __builtin_mul_overflow(n, static_cast<std::uint64_t>(d), &n) || n > kMax;
+  }
+  if (negative) fail(op, "negative dimension in shape ", s);
+  if (zero) return 0;
+  if (big) fail(op, "shape ", s, " is too large (over 1 TiB)");
+  return static_cast<std::size_t>(n);
 }
 }  // namespace
 
 Tensor Tensor::empty(const Shape& shape, DType dtype) {
-  check_shape("empty", shape);
-  const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * itemsize(dtype);
+  const std::size_t bytes = checked_bytes("empty", shape, itemsize(dtype));
   std::shared_ptr<Storage> st;
   try {
     st = std::allocate_shared<Storage>(PoolAllocator<Storage>(), bytes);
@@ -154,8 +160,6 @@ std::shared_ptr<AutogradMeta>& Tensor::ensure_meta() {
   return meta_;
 }
 
-bool Tensor::requires_grad() const { return meta_ && meta_->requires_grad; }
-
 Tensor& Tensor::requires_grad_(bool on) {
   if (!defined()) fail("requires_grad_", "tensor is undefined");
   if (on && !is_floating(dtype_)) fail("requires_grad_", "only float tensors can require grad, got ", dtype_, " ", shape_);
@@ -175,6 +179,7 @@ void Tensor::zero_grad() {
 void Tensor::retain_grad() {
   if (!requires_grad()) fail("retain_grad", "tensor does not require grad");
   meta_->retains_grad = true;
+  detail::note_retain_grad();
 }
 
 void Tensor::backward() const { tg::backward(*this); }

@@ -40,9 +40,9 @@ Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
           detail::dispatch_float("causal_attention", n.grad_out().dtype(), [&](auto z) {
             using T = decltype(z);
             GradDest dqkv = n.grad_dest(0);
-            if (dqkv.buf.numel() == 0) return;
+            if (dqkv.buf->numel() == 0) return;
             if (n.grad_out().numel() == 0) {  // no outputs (T = 0 or C = 0): nothing flows back
-              if (!dqkv.acc) std::fill(dqkv.ptr<T>(), dqkv.ptr<T>() + dqkv.buf.numel(), T(0));
+              if (!dqkv.acc) std::fill(dqkv.ptr<T>(), dqkv.ptr<T>() + dqkv.buf->numel(), T(0));
               return;
             }
             kernels::attention_backward(n.saved[0].data<T>(), n.saved[1].data<T>(), n.grad_out().data<T>(),

@@ -122,8 +122,11 @@ Tensor binary(const char* name, const Tensor& a, const Tensor& b) {
             const T* ap = saved_ptr<Op::kNeedA, Op::kNeedB, 0, T>(n);
             const T* bp = saved_ptr<Op::kNeedA, Op::kNeedB, 1, T>(n);
             if (kind == Kind::same) {
-              GradDest da = n.grad_dest(0), db = n.grad_dest(1);
-              binary_backward_same<T, Op>(ap, bp, dy.data<T>(), da.ptr<T>(), db.ptr<T>(), dy.numel(), da.acc, db.acc);
+              // da is written first, so only db (the last reader of dy) may take dy's buffer.
+              const T* dyp = dy.data<T>();
+              const std::int64_t count = dy.numel();
+              GradDest da = n.grad_dest(0), db = n.grad_dest_over(1);
+              binary_backward_same<T, Op>(ap, bp, dyp, da.ptr<T>(), db.ptr<T>(), count, da.acc, db.acc);
             } else if (kind == Kind::rows) {
               // The full operand's gradient is written everywhere; the row's is a sum (accumulated).
               GradDest full = n.grad_dest(row_is_b ? 0 : 1);
@@ -155,11 +158,14 @@ Tensor unary(const char* name, const Tensor& x, Op op) {
         name, &x, nullptr, &y,
         [op](Node& n) {
           const Tensor& dy = n.grad_out();
-          GradDest dx = n.grad_dest(0);
-          dispatch_float("backward", dy.dtype(), [&](auto z) {
+          const void* dyp = dy.raw_data();  // before grad_dest_over, which may take dy's buffer
+          const DType dt = dy.dtype();
+          const std::int64_t count = dy.numel();
+          GradDest dx = n.grad_dest_over(0);
+          dispatch_float("backward", dt, [&](auto z) {
             using T = decltype(z);
-            unary_backward<T>(saved_ptr<Op::kX, Op::kY, 0, T>(n), saved_ptr<Op::kX, Op::kY, 1, T>(n), dy.data<T>(),
-                              dx.ptr<T>(), dy.numel(), op, dx.acc);
+            unary_backward<T>(saved_ptr<Op::kX, Op::kY, 0, T>(n), saved_ptr<Op::kX, Op::kY, 1, T>(n),
+                              static_cast<const T*>(dyp), dx.ptr<T>(), count, op, dx.acc);
           });
         },
         x, y);

@@ -136,8 +136,8 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
           // A gradient buffer whose every element one gemm writes takes beta = 0 when fresh; where
           // broadcast batch entries share a destination, the gemms must add (zero-filled, beta = 1).
           const bool whole_a = p.fold || is_distinct(p.ia), whole_b = p.fold || is_distinct(p.ib);
-          GradDest dA = whole_a ? n.grad_dest(0) : GradDest{n.grad_in(0), true};
-          GradDest dB = whole_b ? n.grad_dest(1) : GradDest{n.grad_in(1), true};
+          GradDest dA = whole_a ? n.grad_dest(0) : n.grad_add(0);
+          GradDest dB = whole_b ? n.grad_dest(1) : n.grad_add(1);
           dispatch_float("matmul", dC.dtype(), [&](auto z) {
             using T = decltype(z);
             const T* A = n.saved[0].data<T>();

@@ -37,7 +37,7 @@ Tensor softmax_impl(const char* op, const Tensor& x, int axis) {
         op, {&x}, {&y},
         [rows, C](Node& n) {
           GradDest dx = n.grad_dest(0);
-          dispatch_float("softmax", dx.buf.dtype(), [&](auto z) {
+          dispatch_float("softmax", dx.buf->dtype(), [&](auto z) {
             using T = decltype(z);
             if constexpr (Log) log_softmax_backward(n.saved[0].data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, C, dx.acc);
             else softmax_backward(n.saved[0].data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, C, dx.acc);
@@ -94,7 +94,7 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
         [n](Node& n_) {
           GradDest dx = n_.grad_dest(0);
           const std::int32_t* mk = n_.saved[0].data<std::int32_t>();
-          dispatch_float("masked_fill", dx.buf.dtype(), [&](auto z) {
+          dispatch_float("masked_fill", dx.buf->dtype(), [&](auto z) {
             using T = decltype(z);
             const T* g = n_.grad_out().data<T>();
             T* d = dx.ptr<T>();
@@ -180,7 +180,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, std::int64_t i
         op, {&logits, &targets}, {&y},
         [rows, V, count, ignore_index](Node& n) {
           GradDest dx = n.grad_dest(0);
-          dispatch_float("cross_entropy", dx.buf.dtype(), [&](auto z) {
+          dispatch_float("cross_entropy", dx.buf->dtype(), [&](auto z) {
             using T = decltype(z);
             const T scale = n.grad_out().data<T>()[0] / static_cast<T>(count);
             cross_entropy_backward(n.saved[0].data<T>(), n.saved[1].data<std::int32_t>(), n.saved[2].data<T>(), scale,
@@ -218,7 +218,7 @@ Tensor dropout(const Tensor& x, double p, bool train) {
         "dropout", {&x}, {&y},
         [n](Node& nd) {
           GradDest dx = nd.grad_dest(0);
-          dispatch_float("dropout", dx.buf.dtype(), [&](auto z) {
+          dispatch_float("dropout", dx.buf->dtype(), [&](auto z) {
             using T = decltype(z);
             const T* m = nd.saved[0].data<T>();
             const T* g = nd.grad_out().data<T>();

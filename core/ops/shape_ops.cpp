@@ -50,11 +50,11 @@ namespace {
 // dx (+)= dy, same number of elements (reshape, clone, and the float casts' identity part): a
 // copy into a fresh gradient, an add into one that holds another path's part.
 void accumulate_flat(const Tensor& dy, GradDest dx) {
-  dispatch_float("backward", dx.buf.dtype(), [&](auto z) {
+  dispatch_float("backward", dx.buf->dtype(), [&](auto z) {
     using T = decltype(z);
     const T* g = dy.data<T>();
     T* d = dx.ptr<T>();
-    const std::int64_t n = dx.buf.numel();
+    const std::int64_t n = dx.buf->numel();
     if (!dx.acc) {
       if (n) std::memcpy(d, g, static_cast<std::size_t>(n) * sizeof(T));
       return;
@@ -291,7 +291,7 @@ Tensor to(const Tensor& x, DType dtype) {
   if (is_floating(dtype) && should_record({&x}))
     record("to", {&x}, {&y}, [](Node& nd) {
       GradDest dx = nd.grad_dest(0);
-      accumulate_flat(to(nd.grad_out().detach(), dx.buf.dtype()), dx);
+      accumulate_flat(to(nd.grad_out().detach(), dx.buf->dtype()), dx);
     });
   return y;
 }

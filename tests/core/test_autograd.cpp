@@ -269,6 +269,34 @@ TEST_CASE("backward with a given upstream gradient leaves the caller's tensor un
   CHECK(a.grad().to_vector<double>() == std::vector<double>{36, 72});  // 2 x 3 x 2h
 }
 
+TEST_CASE("an elementwise backward may write over its incoming gradient, never over one someone else holds") {
+  // A chain of elementwise ops hands each incoming gradient buffer on as the next input's
+  // gradient (Node::grad_dest_over). The caller's upstream gradient, a retained gradient and the
+  // second operand of a product must come through unchanged.
+  Tensor x = tensor({1, 2, 3}, {3}, float64).requires_grad_();
+  Tensor g = tensor({1, -1, 0.5}, {3}, float64);
+  Tensor z = exp((x * 2.0 + 1.0) * 3.0);
+  z.backward(g);
+  CHECK(g.to_vector<double>() == std::vector<double>{1, -1, 0.5});
+  for (int i = 0; i < 3; ++i) {
+    const double xi = i + 1.0, gi = std::vector<double>{1, -1, 0.5}[static_cast<std::size_t>(i)];
+    CHECK(x.grad().to_vector<double>()[static_cast<std::size_t>(i)] == Approx(gi * 6 * std::exp(6 * xi + 3)));
+  }
+  // y's gradient is kept: y's own node must not write x's gradient over it.
+  Tensor a = tensor({1, 2}, {2}, float64).requires_grad_();
+  Tensor y = a * 2.0;
+  y.retain_grad();
+  sum(y * 3.0).backward();
+  CHECK(y.grad().to_vector<double>() == std::vector<double>{3, 3});
+  CHECK(a.grad().to_vector<double>() == std::vector<double>{6, 6});
+  // p * q: dp is written first (reading dq's source, the incoming gradient), dq may take it over.
+  Tensor p = tensor({1, 2, 3}, {3}, float64).requires_grad_();
+  Tensor q = tensor({4, 5, 6}, {3}, float64).requires_grad_();
+  ((p * q) * 2.0).backward(tensor({1, 10, 100}, {3}, float64));
+  CHECK(p.grad().to_vector<double>() == std::vector<double>{8, 100, 1200});
+  CHECK(q.grad().to_vector<double>() == std::vector<double>{2, 40, 600});
+}
+
 // ---- anomaly mode ----
 
 TEST_CASE("anomaly mode is off by default: a NaN passes through silently") {

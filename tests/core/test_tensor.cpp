@@ -30,6 +30,12 @@ TEST_CASE("factories fill shape, dtype and values") {
 
 TEST_CASE("bad factory arguments raise tg::Error naming the function") {
   REQUIRE_TG_ERROR(zeros({2, -1}), "empty", "negative dimension", "(2, -1)");
+  // Byte counts beyond 1 TiB (or beyond 64 bits) are refused before any allocation...
+  REQUIRE_TG_ERROR(zeros({std::int64_t(1) << 20, std::int64_t(1) << 19}), "empty", "too large");
+  REQUIRE_TG_ERROR(zeros({std::int64_t(1) << 40, std::int64_t(1) << 40, 3}), "empty", "too large");
+  // ...but a zero dimension makes any shape empty, wherever it stands.
+  CHECK(Tensor::empty({std::int64_t(1) << 62, 0}).numel() == 0);
+  CHECK(Tensor::empty({0, std::int64_t(1) << 62}).numel() == 0);
   REQUIRE_TG_ERROR(tensor({1, 2, 3}, {2, 2}), "tensor", "3 values", "(2, 2)");
   REQUIRE_TG_ERROR(arange(0.0, 1.0, 0.0), "arange");
   REQUIRE_TG_ERROR(randn({2}, int32), "randn", "int32");

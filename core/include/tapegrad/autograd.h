@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <iosfwd>
 #include <memory>
-#include <memory_resource>
 #include <new>
 #include <string>
 #include <utility>
@@ -27,18 +26,26 @@ namespace detail {
 // blocks by moving a pointer, and all given back at once when the tape is emptied (the blocks are
 // kept for the next step). A training step records a few hundred nodes; with the general-purpose
 // heap each would cost five or six malloc/free pairs, more than the op itself at small sizes.
-class Arena final : public std::pmr::memory_resource {
+class Arena {
  public:
   Arena() = default;
-  ~Arena() override;
+  ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
+  // bytes at the given alignment (a power of two), valid until reset().
+  void* allocate(std::size_t bytes, std::size_t align) {
+    const auto p = reinterpret_cast<std::uintptr_t>(ptr_);
+    const std::uintptr_t a = (p + align - 1) & ~(static_cast<std::uintptr_t>(align) - 1);
+    if (ptr_ && a + bytes <= reinterpret_cast<std::uintptr_t>(end_)) {
+      ptr_ = reinterpret_cast<char*>(a + bytes);
+      return reinterpret_cast<void*>(a);
+    }
+    return allocate_slow(bytes, align);
+  }
   void reset();  // forgets every allocation, keeps the blocks
 
  private:
-  void* do_allocate(std::size_t bytes, std::size_t align) override;
-  void do_deallocate(void*, std::size_t, std::size_t) override {}
-  bool do_is_equal(const std::pmr::memory_resource& o) const noexcept override { return this == &o; }
+  void* allocate_slow(std::size_t bytes, std::size_t align);  // moves to the next block
   std::vector<std::pair<char*, std::size_t>> blocks_;
   std::size_t block_ = 0;  // index of the block being carved
   char* ptr_ = nullptr;
@@ -61,11 +68,13 @@ struct BackwardFn {
 // backward pass is written straight into a fresh, uninitialised buffer (acc = false: the kernel
 // assigns every element), later ones add into it (acc = true). This spares a zero fill and a read
 // of zeros per gradient; a kernel that cannot write every element uses Node::grad_in instead.
+// buf points at the input's gradient in its autograd slot, which the node keeps alive while its
+// backward runs (a pointer, not a Tensor: no reference count or shape copied per gradient).
 struct GradDest {
-  Tensor buf;        // undefined when the input needs no gradient
-  bool acc = false;  // add into buf (true) or overwrite it (false)
-  bool defined() const { return buf.defined(); }
-  template <class T> T* ptr() { return buf.defined() ? buf.data<T>() : nullptr; }
+  Tensor* buf = nullptr;  // null when the input needs no gradient
+  bool acc = false;       // add into buf (true) or overwrite it (false)
+  bool defined() const { return buf != nullptr; }
+  template <class T> T* ptr() { return buf ? buf->data<T>() : nullptr; }
 };
 
 // A node's array of inputs, outputs, shapes or saved tensors: its length is known when the node is
@@ -130,6 +139,14 @@ struct Node {
   Tensor grad_in(std::size_t i) const;
   // Input i's gradient for a kernel that writes every element (see GradDest).
   GradDest grad_dest(std::size_t i) const;
+  // grad_in(i) as a GradDest that adds (acc = true): for a kernel that cannot write every element.
+  GradDest grad_add(std::size_t i) const;
+  // The same, for an elementwise kernel that reads dy[k] before it writes dx[k]: when input i has
+  // no gradient yet and output j's incoming gradient is held by nothing else (not retained, not
+  // shared with the caller), that buffer becomes input i's gradient and the kernel writes over it
+  // in place, saving a buffer per op. Afterwards grad_out(j) is undefined: read its data pointer
+  // first.
+  GradDest grad_dest_over(std::size_t i, std::size_t j = 0) const;
   bool needs_grad(std::size_t i) const { return i < inputs.size() && inputs[i] != nullptr; }
   // Input i's shape as recorded (not available once the node is freed).
   const Shape& input_shape(std::size_t i) const;
@@ -160,7 +177,7 @@ class Tape {
   // A new node at the end of the tape, its arrays in the tape's arena.
   Node& push();
   Node& node(std::size_t i) { return nodes_[i]; }
-  std::pmr::memory_resource* arena() { return &arena_; }
+  detail::Arena& arena() { return arena_; }
   // Releases node i's saved tensors, closure and input references.
   void free_node(std::size_t i);
   // Frees every live node whose outputs no tensor and no later node refers to; empties the tape
@@ -179,7 +196,6 @@ class Tape {
 // This thread's tape.
 Tape& tape();
 namespace detail {
-inline std::pmr::memory_resource* tape_arena() { return tape().arena(); }
 inline std::size_t tape_size() { return tape().size(); }
 }  // namespace detail
 
@@ -204,28 +220,27 @@ void backward(const Tensor& root, const Tensor& grad = Tensor(), bool keep_tape 
 bool should_record(std::initializer_list<const Tensor*> inputs);
 
 namespace detail {
-// Appends the node (inputs, outputs, saved tensors); the closure is attached by record().
+// Appends the node (inputs, outputs, saved tensors) with closure_bytes of the tape's arena, at
+// closure_align, for its backward closure in node.backward.obj; record_with() constructs it there.
 Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in, Tensor* const* outputs,
-                  std::size_t n_out, const Tensor* saved, std::size_t n_saved);
+                  std::size_t n_out, const Tensor* saved, std::size_t n_saved, std::size_t closure_bytes,
+                  std::size_t closure_align);
 // Anomaly mode's forward check of a freshly recorded node's outputs (see set_detect_anomaly).
 void check_anomaly_outputs(const char* op, std::size_t index, const Node& node, const Tensor* const* outputs,
                            std::size_t n_out, const Tensor* const* inputs, std::size_t n_in);
 bool anomaly_enabled();
-
-template <class F>
-void attach_backward(Node& node, std::pmr::memory_resource* mr, F&& f) {
-  using Fn = std::decay_t<F>;
-  void* mem = mr->allocate(sizeof(Fn), alignof(Fn));
-  node.backward.obj = ::new (mem) Fn(std::forward<F>(f));
-  node.backward.call = [](void* p, Node& n) { (*static_cast<Fn*>(p))(n); };
-  node.backward.destroy = [](void* p) { static_cast<Fn*>(p)->~Fn(); };
-}
+// Whether retain_grad() was ever called (in any thread): backward then takes its careful first pass.
+void note_retain_grad();
+bool retain_grad_used();
 
 template <class F>
 Node& record_with(const char* op, const Tensor* const* in, std::size_t n_in, Tensor* const* out, std::size_t n_out,
                   F&& backward, const Tensor* saved, std::size_t n_saved) {
-  Node& node = record_node(op, in, n_in, out, n_out, saved, n_saved);
-  attach_backward(node, tape_arena(), std::forward<F>(backward));
+  using Fn = std::decay_t<F>;
+  Node& node = record_node(op, in, n_in, out, n_out, saved, n_saved, sizeof(Fn), alignof(Fn));
+  node.backward.obj = ::new (node.backward.obj) Fn(std::forward<F>(backward));
+  node.backward.call = [](void* p, Node& n) { (*static_cast<Fn*>(p))(n); };
+  node.backward.destroy = [](void* p) { static_cast<Fn*>(p)->~Fn(); };
   if (anomaly_enabled()) check_anomaly_outputs(op, tape_size() - 1, node, out, n_out, in, n_in);
   return node;
 }

@@ -20,7 +20,11 @@ class Shape {
   int ndim() const { return n_; }
   std::int64_t operator[](int i) const { return d_[static_cast<std::size_t>(i)]; }
   std::int64_t& operator[](int i) { return d_[static_cast<std::size_t>(i)]; }
-  std::int64_t numel() const;
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (int i = 0; i < n_; ++i) n *= d_[static_cast<std::size_t>(i)];
+    return n;
+  }
   void push_back(std::int64_t v);
   const std::int64_t* begin() const { return d_.data(); }
   const std::int64_t* end() const { return d_.data() + n_; }

@@ -98,6 +98,8 @@ class Tensor {
   // Internal: the autograd slot (may be null) and construction from parts.
   const std::shared_ptr<AutogradMeta>& meta() const { return meta_; }
   std::shared_ptr<AutogradMeta>& ensure_meta();
+  // Internal: no other tensor shares this one's memory.
+  bool sole_owner() const { return storage_ && storage_.use_count() == 1; }
   // Internal: the same storage under another shape of equal numel, without autograd history.
   Tensor alias(const Shape& shape) const { return Tensor(storage_, shape, dtype_); }
   Tensor(std::shared_ptr<Storage> s, const Shape& shape, DType dtype)
@@ -149,13 +151,14 @@ std::ostream& operator<<(std::ostream& os, const Tensor& t);
 
 // ---- template definitions ----
 template <class T> T* Tensor::data() {
-  check_dtype(dtype_of<T>::value);
+  if (!storage_ || dtype_ != dtype_of<T>::value) check_dtype(dtype_of<T>::value);  // throws
   return static_cast<T*>(storage_->data);
 }
 template <class T> const T* Tensor::data() const {
-  check_dtype(dtype_of<T>::value);
+  if (!storage_ || dtype_ != dtype_of<T>::value) check_dtype(dtype_of<T>::value);  // throws
   return static_cast<const T*>(storage_->data);
 }
+inline bool Tensor::requires_grad() const { return meta_ && meta_->requires_grad; }
 template <class T> std::vector<T> Tensor::to_vector() const {
   std::vector<T> out(static_cast<std::size_t>(numel()));
   const void* p = raw_data();
