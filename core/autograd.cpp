@@ -14,8 +14,14 @@
 
 namespace tg {
 
-namespace {
+namespace detail {
 thread_local bool t_grad_enabled = true;
+thread_local bool t_anomaly = false;
+}  // namespace detail
+using detail::t_anomaly;
+using detail::t_grad_enabled;
+
+namespace {
 
 std::string human_bytes(std::size_t b) {
   std::ostringstream s;
@@ -221,7 +227,7 @@ void Tape::print(std::ostream& os) const {
       if (k < 64 && (n.undefined_inputs >> k & 1)) continue;  // an absent optional input (e.g. no bias)
       line << (first ? "" : ", ") << n.input_shape(k);
       first = false;
-      if (n.needs_grad(k) && !n.inputs[k]->name.empty()) line << ' ' << n.inputs[k]->name;
+      if (n.needs_grad(k) && n.inputs[k]->name && !n.inputs[k]->name->empty()) line << ' ' << *n.inputs[k]->name;
     }
     line << " -> ";
     for (std::size_t k = 0; k < n.outputs.size(); ++k) line << (k ? ", " : "") << n.outputs[k]->shape;
@@ -237,7 +243,7 @@ std::string Tape::to_dot() const {
   auto tensor_node = [&](AutogradMeta& m, bool leaf) {
     if (declared[m.dot_id()]) return;
     declared[m.dot_id()] = true;
-    s << "  t" << m.dot_id() << " [shape=ellipse, label=\"" << (m.name.empty() ? "" : m.name + "\\n") << m.shape.str() << "\"";
+    s << "  t" << m.dot_id() << " [shape=ellipse, label=\"" << (m.label().empty() ? "" : m.label() + "\\n") << m.shape.str() << "\"";
     if (leaf) s << ", style=filled, fillcolor=\"#dbe9f6\"";
     s << "];\n";
   };
@@ -262,18 +268,11 @@ std::string Tape::to_dot() const {
 
 // ---- grad mode ----
 
-bool grad_enabled() { return t_grad_enabled; }
 NoGradGuard::NoGradGuard() : prev_(t_grad_enabled) { t_grad_enabled = false; }
 NoGradGuard::~NoGradGuard() { t_grad_enabled = prev_; }
 
 // ---- recording ----
 
-bool should_record(std::initializer_list<const Tensor*> inputs) {
-  if (!t_grad_enabled) return false;
-  for (const Tensor* t : inputs)
-    if (t->requires_grad()) return true;
-  return false;
-}
 
 namespace detail {
 
@@ -331,7 +330,6 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
 // ---- anomaly mode ----
 
 namespace {
-thread_local bool t_anomaly = false;
 
 // Index of the first NaN or Inf in t, or -1 (float tensors only; integers are always finite).
 std::int64_t first_nonfinite(const Tensor& t) {
@@ -375,7 +373,6 @@ DetectAnomalyGuard::~DetectAnomalyGuard() { t_anomaly = prev_; }
 
 namespace detail {
 
-bool anomaly_enabled() { return t_anomaly; }
 
 namespace {
 std::atomic<bool> g_retain_grad_used{false};
@@ -545,7 +542,7 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
     if (anomaly) detail::check_anomaly_backward(n, static_cast<std::size_t>(i));
     // An intermediate gradient is dead once its node has run: free it (PyTorch keeps only leaves').
     for (const auto& o : n.outputs)
-      if (!o->retains_grad) o->grad = Tensor();
+      if (!o->retains_grad) o->grad.reset();
     if (!keep_tape) tp.free_node(static_cast<std::size_t>(i));
   }
   if (tp.live() == 0) tp.clear();

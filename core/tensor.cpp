@@ -153,9 +153,7 @@ void Tensor::set(std::initializer_list<std::int64_t> idx, double v) {
 
 std::shared_ptr<AutogradMeta>& Tensor::ensure_meta() {
   if (!meta_) {
-    meta_ = std::allocate_shared<AutogradMeta>(PoolAllocator<AutogradMeta>());
-    meta_->shape = shape_;
-    meta_->dtype = dtype_;
+    meta_ = std::allocate_shared<AutogradMeta>(PoolAllocator<AutogradMeta>(), shape_, dtype_);
   }
   return meta_;
 }
@@ -188,11 +186,11 @@ void Tensor::backward(const Tensor& grad, bool keep_tape) const { tg::backward(*
 Tensor Tensor::detach() const { return Tensor(storage_, shape_, dtype_); }
 
 Tensor& Tensor::set_name(std::string name) {
-  ensure_meta()->name = std::move(name);
+  ensure_meta()->name = std::make_unique<std::string>(std::move(name));
   return *this;
 }
 
-std::string Tensor::name() const { return meta_ ? meta_->name : std::string(); }
+std::string Tensor::name() const { return meta_ ? meta_->label() : std::string(); }
 
 std::uint64_t AutogradMeta::dot_id() {
   if (id == 0) id = next_meta_id++;

@@ -14,6 +14,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -199,8 +200,14 @@ namespace detail {
 inline std::size_t tape_size() { return tape().size(); }
 }  // namespace detail
 
+namespace detail {
+// This thread's switches, read inline by every op (see grad_enabled and set_detect_anomaly).
+extern thread_local bool t_grad_enabled;
+extern thread_local bool t_anomaly;
+}  // namespace detail
+
 // Recording is on unless a NoGradGuard is alive on this thread (PyTorch's torch.no_grad()).
-bool grad_enabled();
+inline bool grad_enabled() { return detail::t_grad_enabled; }
 class NoGradGuard {
  public:
   NoGradGuard();
@@ -217,7 +224,12 @@ void backward(const Tensor& root, const Tensor& grad = Tensor(), bool keep_tape 
 
 // ---- for op implementers ----
 // True when recording is on and any of the inputs requires a gradient.
-bool should_record(std::initializer_list<const Tensor*> inputs);
+inline bool should_record(std::initializer_list<const Tensor*> inputs) {
+  if (!detail::t_grad_enabled) return false;
+  for (const Tensor* t : inputs)
+    if (t->requires_grad()) return true;
+  return false;
+}
 
 namespace detail {
 // Appends the node (inputs, outputs, saved tensors) with closure_bytes of the tape's arena, at
@@ -228,7 +240,7 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
 // Anomaly mode's forward check of a freshly recorded node's outputs (see set_detect_anomaly).
 void check_anomaly_outputs(const char* op, std::size_t index, const Node& node, const Tensor* const* outputs,
                            std::size_t n_out, const Tensor* const* inputs, std::size_t n_in);
-bool anomaly_enabled();
+inline bool anomaly_enabled() { return t_anomaly; }
 // Whether retain_grad() was ever called (in any thread): backward then takes its careful first pass.
 void note_retain_grad();
 bool retain_grad_used();
@@ -240,7 +252,7 @@ Node& record_with(const char* op, const Tensor* const* in, std::size_t n_in, Ten
   Node& node = record_node(op, in, n_in, out, n_out, saved, n_saved, sizeof(Fn), alignof(Fn));
   node.backward.obj = ::new (node.backward.obj) Fn(std::forward<F>(backward));
   node.backward.call = [](void* p, Node& n) { (*static_cast<Fn*>(p))(n); };
-  node.backward.destroy = [](void* p) { static_cast<Fn*>(p)->~Fn(); };
+  if constexpr (!std::is_trivially_destructible_v<Fn>) node.backward.destroy = [](void* p) { static_cast<Fn*>(p)->~Fn(); };
   if (anomaly_enabled()) check_anomaly_outputs(op, tape_size() - 1, node, out, n_out, in, n_in);
   return node;
 }

@@ -98,6 +98,13 @@ class Tensor {
   // Internal: the autograd slot (may be null) and construction from parts.
   const std::shared_ptr<AutogradMeta>& meta() const { return meta_; }
   std::shared_ptr<AutogradMeta>& ensure_meta();
+  // Internal: makes this tensor undefined, as Tensor() (without building one to move in).
+  void reset() {
+    storage_.reset();
+    meta_.reset();
+    shape_ = Shape();
+    dtype_ = DType::f32;
+  }
   // Internal: no other tensor shares this one's memory.
   bool sole_owner() const { return storage_ && storage_.use_count() == 1; }
   // Internal: the same storage under another shape of equal numel, without autograd history.
@@ -117,21 +124,23 @@ class Tensor {
 // The autograd slot of a tensor. Tape nodes hold these (not the data) for the inputs whose gradient
 // they accumulate into, so an input's activations are freed as soon as nothing else needs them.
 struct AutogradMeta {
-  bool requires_grad = false;
-  bool retains_grad = false;
+  AutogradMeta(const Shape& s, DType d) : shape(s), dtype(d) {}
+  Tensor grad;
+  Shape shape;
   std::int64_t node = -1;          // index of the creating node on the tape; -1 for a leaf
   std::uint64_t generation = 0;    // the tape generation that node belongs to
   std::uint64_t id = 0;            // unique, names the tensor in DOT output (0 until asked: see dot_id)
   std::uint64_t visit = 0;         // marks the tensors a backward pass will reach
-  Shape shape;
+  std::unique_ptr<std::string> name;  // set_name's label; null for the (many) unnamed tensors
   DType dtype = DType::f32;
-  std::string name;
-  Tensor grad;
+  bool requires_grad = false;
+  bool retains_grad = false;
   // The gradient buffer to accumulate (+=) into, allocated as zeros on first use.
   Tensor& grad_accumulator();
   // The id, drawn from a global counter on first use (an atomic increment per recorded op
   // otherwise, for a number only the DOT output reads).
   std::uint64_t dot_id();
+  std::string label() const { return name ? *name : std::string(); }
 };
 
 // ---- factories (dtype defaults to float32, as in PyTorch) ----
