@@ -289,7 +289,7 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
   std::size_t n_other = 0;
   for (std::size_t i = 0; i < n_in; ++i) n_other += inputs[i]->requires_grad() ? 0 : 1;
   const std::size_t arrays = n_saved * sizeof(Tensor) + (n_in + n_out) * sizeof(Meta) + n_other * sizeof(Shape);
-  const std::size_t closure_at = (arrays + closure_align - 1) / closure_align * closure_align;
+  const std::size_t closure_at = (arrays + closure_align - 1) & ~(closure_align - 1);  // alignments are powers of two
   char* mem = static_cast<char*>(tp.arena().allocate(closure_at + closure_bytes, std::max(alignof(Tensor), closure_align)));
   auto* sv = reinterpret_cast<Tensor*>(mem);
   auto* in = reinterpret_cast<Meta*>(mem + n_saved * sizeof(Tensor));
