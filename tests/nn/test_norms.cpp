@@ -67,6 +67,35 @@ TEST_CASE("fused RMSNorm and pRMSNorm equal their composite twin") {
                 false, false, 7);
 }
 
+TEST_CASE("RMSNorm's parameter sums over many rows: blocks of 16 rows, split across threads") {
+  // The backward sums dg and db over blocks of 16 rows (in T), then the blocks into per-thread
+  // double partials: row counts with a partial last block, below and above the size at which the
+  // rows are split across threads (32768 elements), at 1, 2 and 3 threads.
+  const int before = get_num_threads();
+  std::uint64_t seed = 500;
+  for (int threads : {1, 2, 3}) {
+    set_num_threads(threads);
+    INFO("threads " << threads);
+    for (auto [rows, C] : std::vector<std::pair<std::int64_t, std::int64_t>>{{16, 8}, {37, 24}, {300, 128}, {517, 70}})
+      for (double p : {1.0, 0.25})
+        require_twins([p](auto& x, auto& w, auto& b) { return rms_norm(x, w, b, 1e-5, p); },
+                      [p](auto& x, auto& w, auto& b) { return composite::rms_norm(x, w, b, 1e-5, p); }, {rows, C}, C,
+                      true, true, seed++);
+  }
+  // float32: the gain's gradient over 4096 rows stays within float32 accuracy of the float64 one.
+  set_num_threads(2);
+  Tensor x64 = param64({4096, 48}, 9, 1.0, 0.0), g64 = param64({48}, 10, 0.5, 1.0);
+  Generator gen(11);
+  Tensor dy64 = randn({4096, 48}, float64, &gen);
+  rms_norm(x64, g64, Tensor(), 1e-5, 1.0).backward(dy64);
+  Tensor x32 = x64.detach().to(float32).requires_grad_(), g32 = g64.detach().to(float32).requires_grad_();
+  rms_norm(x32, g32, Tensor(), 1e-5, 1.0).backward(dy64.to(float32));
+  const double scale = max(abs(g64.grad())).item();
+  CHECK(max_abs_diff(g32.grad().to(float64), g64.grad()) <= 2e-6 * scale);
+  CHECK(max_abs_diff(x32.grad().to(float64), x64.grad()) <= 1e-5 * max(abs(x64.grad())).item());
+  set_num_threads(before);
+}
+
 TEST_CASE("fused BatchNorm equals its composite twin in training and eval") {
   std::uint64_t seed = 200;
   for (bool training : {true, false})
