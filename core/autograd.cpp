@@ -273,7 +273,6 @@ NoGradGuard::~NoGradGuard() { t_grad_enabled = prev_; }
 
 // ---- recording ----
 
-
 namespace detail {
 
 Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in, Tensor* const* outputs,
@@ -373,10 +372,9 @@ DetectAnomalyGuard::~DetectAnomalyGuard() { t_anomaly = prev_; }
 
 namespace detail {
 
-
 namespace {
 std::atomic<bool> g_retain_grad_used{false};
-}
+}  // namespace
 void note_retain_grad() { g_retain_grad_used.store(true, std::memory_order_relaxed); }
 bool retain_grad_used() { return g_retain_grad_used.load(std::memory_order_relaxed); }
 
