@@ -88,11 +88,6 @@ Node::Node(Node&& o) noexcept
   o.backward = BackwardFn{};
 }
 
-void Node::release_backward() {
-  if (backward.destroy) backward.destroy(backward.obj);
-  backward = BackwardFn{};  // the closure's memory belongs to the arena
-}
-
 const Tensor& Node::grad_out(std::size_t i) const { return outputs[i]->grad; }
 
 const Shape& Node::input_shape(std::size_t i) const {
@@ -540,7 +535,7 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
     if (anomaly) detail::check_anomaly_backward(n, static_cast<std::size_t>(i));
     // An intermediate gradient is dead once its node has run: free it (PyTorch keeps only leaves').
     for (const auto& o : n.outputs)
-      if (!o->retains_grad) o->grad.reset();
+      if (!o->retains_grad && o->grad.defined()) o->grad.reset();  // (often already taken by grad_dest_over)
     if (!keep_tape) tp.free_node(static_cast<std::size_t>(i));
   }
   if (tp.live() == 0) tp.clear();

@@ -153,7 +153,10 @@ struct Node {
   const Shape& input_shape(std::size_t i) const;
   std::size_t bytes_saved() const;
   void run_backward() { backward.call(backward.obj, *this); }
-  void release_backward();
+  void release_backward() {
+    if (backward.destroy) backward.destroy(backward.obj);
+    backward = BackwardFn{};  // the closure's memory belongs to the arena
+  }
 };
 
 class Tape {
