@@ -102,6 +102,12 @@ Tensor Node::grad_in(std::size_t i) const {
   return inputs[i]->grad_accumulator();
 }
 
+bool Node::input_repeated(std::size_t i) const {
+  for (std::size_t j = 0; j < inputs.size(); ++j)
+    if (j != i && inputs[j] == inputs[i]) return true;
+  return false;
+}
+
 GradDest Node::grad_add(std::size_t i) const {
   if (!needs_grad(i)) return GradDest{};
   return GradDest{&inputs[i]->grad_accumulator(), true};
@@ -113,9 +119,7 @@ GradDest Node::grad_dest(std::size_t i) const {
   AutogradMeta& m = *inputs[i];
   // The same tensor passed as two inputs (x * x): both writes add into one zero-filled buffer, so
   // the kernel's order of writing them does not matter.
-  bool aliased = false;
-  for (std::size_t j = 0; j < inputs.size(); ++j) aliased = aliased || (j != i && inputs[j].get() == &m);
-  if (m.grad.defined() || aliased) {
+  if (m.grad.defined() || input_repeated(i)) {
     d.buf = &m.grad_accumulator();
     d.acc = true;
   } else {
@@ -130,9 +134,7 @@ GradDest Node::grad_dest_over(std::size_t i, std::size_t j) const {
   if (needs_grad(i)) {
     AutogradMeta& m = *inputs[i];
     AutogradMeta& o = *outputs[j];
-    bool aliased = false;
-    for (std::size_t k = 0; k < inputs.size(); ++k) aliased = aliased || (k != i && inputs[k].get() == &m);
-    if (!m.grad.defined() && !aliased && !o.retains_grad && o.grad.sole_owner() && o.grad.dtype() == m.dtype &&
+    if (!m.grad.defined() && !input_repeated(i) && !o.retains_grad && o.grad.sole_owner() && o.grad.dtype() == m.dtype &&
         o.grad.numel() == m.shape.numel()) {
       m.grad = std::move(o.grad);  // leaves o.grad undefined (no storage)
       if (!(m.grad.shape() == m.shape)) m.grad = m.grad.alias(m.shape);

@@ -149,6 +149,8 @@ struct Node {
   // first.
   GradDest grad_dest_over(std::size_t i, std::size_t j = 0) const;
   bool needs_grad(std::size_t i) const { return i < inputs.size() && inputs[i] != nullptr; }
+  // Input i's autograd slot is also another input's (x * x).
+  bool input_repeated(std::size_t i) const;
   // Input i's shape as recorded (not available once the node is freed).
   const Shape& input_shape(std::size_t i) const;
   std::size_t bytes_saved() const;
