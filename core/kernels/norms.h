@@ -155,8 +155,8 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
   const std::vector<double> tot = rows_with_partials(blocks, 2 * C, rows * C, [&](std::int64_t blk, double* acc) {
     thread_local std::vector<T> part;
     if (dg || db) part.assign(static_cast<std::size_t>(2 * C), T(0));
-    T* pg = part.data();
-    T* pb = pg + C;
+    T* pg = dg ? part.data() : nullptr;
+    T* pb = db ? part.data() + C : nullptr;
     for (std::int64_t r = blk * kRowBlock; r < std::min(rows, (blk + 1) * kRowBlock); ++r) {
       const T* xr = x + r * C;
       const T* gr = dy + r * C;

@@ -203,9 +203,6 @@ class Tape {
 Tape& tape();
 namespace detail {
 inline std::size_t tape_size() { return tape().size(); }
-}  // namespace detail
-
-namespace detail {
 // This thread's switches, read inline by every op (see grad_enabled and set_detect_anomaly).
 extern thread_local bool t_grad_enabled;
 extern thread_local bool t_anomaly;
