@@ -15,11 +15,13 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/fastmath.h"
 #include "kernels/parallel.h"
 #include "kernels/reduce.h"
+#include "kernels/rms_avx2.h"
 
 namespace tg::kernels {
 
@@ -116,6 +118,23 @@ void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::in
   std::vector<T> ones;
   if (!g) ones.assign(static_cast<std::size_t>(C), T(1));
   const T* gg = g ? g : ones.data();
+#ifdef TG_RMS_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (rms_avx2::fits(C, k)) {
+      with_bool(rms_avx2::streamable(y, rows * C * 4), [&](auto S) {
+        parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
+          for (std::int64_t r = lo; r < hi; ++r) {
+            const double rr = 1.0 / std::sqrt(rms_avx2::sum_squares(x + r * C, k) / static_cast<double>(k) + eps);
+            rrms[r] = static_cast<T>(rr);
+            rms_avx2::scale_row<decltype(S)::value>(x + r * C, gg, b, static_cast<T>(rr), C, y + r * C);
+          }
+          if constexpr (decltype(S)::value) _mm_sfence();  // streamed lines visible before the team's barrier
+        });
+      });
+      return;
+    }
+  }
+#endif
   parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t r = lo; r < hi; ++r) {
       const T* xr = x + r * C;
@@ -151,25 +170,52 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
   // loses at most about 16 float roundings before the double sum takes over.
   constexpr std::int64_t kRowBlock = 16;
   const std::int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
+  // The AVX2 path (rms_avx2.h) for float rows it fits; dx streamed past the caches when large.
+  bool stream = false, fast = false;
+#ifdef TG_RMS_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    fast = rms_avx2::fits(C, k);
+    stream = fast && dx && !acc_dx && rms_avx2::streamable(dx, rows * C * 4);
+  }
+#endif
   with_acc(acc_dx, [&](auto A) {
+  with_bool(stream, [&](auto S) {
   const std::vector<double> tot = rows_with_partials(blocks, 2 * C, rows * C, [&](std::int64_t blk, double* acc) {
     thread_local std::vector<T> part;
     if (dg || db) part.assign(static_cast<std::size_t>(2 * C), T(0));
     T* pg = dg ? part.data() : nullptr;
     T* pb = db ? part.data() + C : nullptr;
-    for (std::int64_t r = blk * kRowBlock; r < std::min(rows, (blk + 1) * kRowBlock); ++r) {
+    const std::int64_t r0 = blk * kRowBlock, r1 = std::min(rows, r0 + kRowBlock);
+#ifdef TG_RMS_AVX2
+    if constexpr (std::is_same_v<T, float>) {
+      if (fast) {
+        constexpr bool acc_v = decltype(A)::value, stream_v = decltype(S)::value && !acc_v;
+        for (std::int64_t r = r0; r < r1; ++r) {
+          const double rr = rrms[r];
+          const T rt = static_cast<T>(rr);
+          const double s = rms_avx2::backward_sums(x + r * C, dy + r * C, gg, rt, C, pg, pb);
+          if (dx)
+            rms_avx2::backward_dx<acc_v, stream_v>(x + r * C, dy + r * C, gg, rt,
+                                                   static_cast<T>(s * rr * rr * rr / static_cast<double>(k)), C, k,
+                                                   dx + r * C);
+        }
+        if constexpr (stream_v) _mm_sfence();  // streamed lines visible before the team's barrier
+      }
+    }
+#endif
+    for (std::int64_t r = r0; r < r1 && !fast; ++r) {  // the portable rows
       const T* xr = x + r * C;
       const T* gr = dy + r * C;
       const double rr = rrms[r];
       const T rt = static_cast<T>(rr);
+      T* dr = dx ? dx + r * C : nullptr;
       const double s = sum16(C, [&](std::int64_t j) { return static_cast<double>(gr[j] * gg[j]) * xr[j]; });
       // x and dy come from memory once: the loops below find the row in L1.
       if (dg)
         for (std::int64_t j = 0; j < C; ++j) pg[j] += gr[j] * xr[j] * rt;
       if (db)
         for (std::int64_t j = 0; j < C; ++j) pb[j] += gr[j];
-      if (!dx) continue;
-      T* dr = dx + r * C;
+      if (!dr) continue;
       const T c2 = static_cast<T>(s * rr * rr * rr / static_cast<double>(k));
       for (std::int64_t j = 0; j < k; ++j) put<decltype(A)>(dr[j], gr[j] * gg[j] * rt - xr[j] * c2);
       for (std::int64_t j = k; j < C; ++j) put<decltype(A)>(dr[j], gr[j] * gg[j] * rt);
@@ -180,6 +226,7 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
       for (std::int64_t j = 0; j < C; ++j) acc[C + j] += static_cast<double>(pb[j]);
   });
   add_param_grads(tot, C, dg, db);
+  });
   });
 }
 
