@@ -2,6 +2,8 @@
 
 #include <cblas.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "kernels/parallel.h"
@@ -41,7 +43,6 @@ std::int64_t cut(std::int64_t D, int t, int nt) {
   const std::int64_t c = (chunk_begin(D, t, nt) + 8) / 16 * 16;
   return c < D ? c : D;
 }
-}  // namespace
 
 // The product is split across the team here, not inside OpenBLAS: each thread computes a block of
 // rows of C (or of columns, when C is wider than tall) with a single-threaded BLAS call (OpenBLAS's
@@ -52,27 +53,73 @@ std::int64_t cut(std::int64_t D, int t, int nt) {
 // 4 to 8% less time per step. Each thread also zero-fills its own block of C, which is then in its
 // cache when the product starts.
 template <class T>
-void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A, std::int64_t lda,
-          const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc) {
-  if (M <= 0 || N <= 0) return;
-  const bool by_rows = M >= N;
-  const std::int64_t D = by_rows ? M : N;
-  if (D < 32 || !worth_parallel(M * N * K / 16)) {  // one thread; OpenBLAS may still split a large call
-    blas(ta, tb, M, N, K, alpha, A, lda, B, ldb, zero_c(beta, M, N, C, ldc), C, ldc);
+bool split_worth(const Gemm<T>& g) {
+  return std::max(g.M, g.N) >= 32 && worth_parallel(g.M * g.N * g.K / 16);
+}
+// Thread t of nt computes its block of g.
+template <class T>
+void gemm_block(const Gemm<T>& g, int t, int nt) {
+  const bool by_rows = g.M >= g.N;
+  const std::int64_t D = by_rows ? g.M : g.N;
+  const std::int64_t lo = cut(D, t, nt), hi = cut(D, t + 1, nt);
+  if (lo >= hi) return;
+  if (by_rows) {  // rows [lo, hi) of C need rows [lo, hi) of op(A)
+    T* Cb = g.C + lo * g.ldc;
+    blas(g.ta, g.tb, hi - lo, g.N, g.K, g.alpha, g.ta ? g.A + lo : g.A + lo * g.lda, g.lda, g.B, g.ldb,
+         zero_c(g.beta, hi - lo, g.N, Cb, g.ldc), Cb, g.ldc);
+  } else {  // columns [lo, hi) of C need columns [lo, hi) of op(B)
+    T* Cb = g.C + lo;
+    blas(g.ta, g.tb, g.M, hi - lo, g.K, g.alpha, g.A, g.lda, g.tb ? g.B + lo * g.ldb : g.B + lo, g.ldb,
+         zero_c(g.beta, g.M, hi - lo, Cb, g.ldc), Cb, g.ldc);
+  }
+}
+template <class T>
+void run(const Gemm<T>& g) {
+  if (g.M <= 0 || g.N <= 0) return;
+  if (!split_worth(g)) {  // one thread; OpenBLAS may still split a large call
+    blas(g.ta, g.tb, g.M, g.N, g.K, g.alpha, g.A, g.lda, g.B, g.ldb, zero_c(g.beta, g.M, g.N, g.C, g.ldc), g.C, g.ldc);
     return;
   }
 #pragma omp parallel
+  gemm_block(g, omp_get_thread_num(), omp_get_num_threads());
+}
+}  // namespace
+
+template <class T>
+void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A, std::int64_t lda,
+          const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc) {
+  run(Gemm<T>{ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc});
+}
+
+// Two independent products in one parallel region, the team cut in two in proportion to their
+// work (with two threads: one product each, whole). The two products of a Linear's backward,
+// dx = dy w and dw = dy^T x, have the same number of multiply-adds, so each thread gets an equal
+// share without cutting a product: no operand is packed twice (each thread of a split product
+// packs the whole shared operand) and one barrier serves both. Measured in the training benchmark,
+// the two ways alternating step by step within a run: 1.2% less time per step (the paired steps'
+// median over the others' 0.979-1.003 in six runs, against 0.993-1.010 for a control that
+// alternated nothing).
+template <class T>
+void gemm_pair(const Gemm<T>& p, const Gemm<T>& q) {
+  const int nt = omp_get_max_threads();
+  if (nt < 2 || omp_in_parallel() || p.M <= 0 || p.N <= 0 || q.M <= 0 || q.N <= 0 || !split_worth(p) ||
+      !split_worth(q)) {
+    run(p);
+    run(q);
+    return;
+  }
+  const double wp = static_cast<double>(p.M * p.N * p.K), wq = static_cast<double>(q.M * q.N * q.K);
+  const int np = std::clamp(static_cast<int>(std::lround(nt * wp / (wp + wq))), 1, nt - 1);
+#pragma omp parallel num_threads(nt)
   {
-    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const std::int64_t lo = cut(D, t, nt), hi = cut(D, t + 1, nt);
-    if (lo < hi && by_rows) {  // rows [lo, hi) of C need rows [lo, hi) of op(A)
-      T* Cb = C + lo * ldc;
-      blas(ta, tb, hi - lo, N, K, alpha, ta ? A + lo : A + lo * lda, lda, B, ldb, zero_c(beta, hi - lo, N, Cb, ldc), Cb,
-           ldc);
-    } else if (lo < hi) {  // columns [lo, hi) of C need columns [lo, hi) of op(B)
-      T* Cb = C + lo;
-      blas(ta, tb, M, hi - lo, K, alpha, A, lda, tb ? B + lo * ldb : B + lo, ldb, zero_c(beta, M, hi - lo, Cb, ldc), Cb,
-           ldc);
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    if (n < 2) {  // the runtime gave fewer threads than asked
+      gemm_block(p, 0, 1);
+      gemm_block(q, 0, 1);
+    } else {
+      const int split = std::min(np, n - 1);
+      if (t < split) gemm_block(p, t, split);
+      else gemm_block(q, t - split, n - split);
     }
   }
 }
@@ -81,5 +128,7 @@ template void gemm<float>(bool, bool, std::int64_t, std::int64_t, std::int64_t, 
                           const float*, std::int64_t, float, float*, std::int64_t);
 template void gemm<double>(bool, bool, std::int64_t, std::int64_t, std::int64_t, double, const double*, std::int64_t,
                            const double*, std::int64_t, double, double*, std::int64_t);
+template void gemm_pair<float>(const Gemm<float>&, const Gemm<float>&);
+template void gemm_pair<double>(const Gemm<double>&, const Gemm<double>&);
 
 }  // namespace tg::kernels

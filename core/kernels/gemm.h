@@ -11,6 +11,29 @@ template <class T>
 void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A,
           std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc);
 
+// One product's arguments, as gemm's, for gemm_pair.
+template <class T>
+struct Gemm {
+  bool ta, tb;
+  std::int64_t M, N, K;
+  T alpha;
+  const T* A;
+  std::int64_t lda;
+  const T* B;
+  std::int64_t ldb;
+  T beta;
+  T* C;
+  std::int64_t ldc;
+};
+template <class T>
+void gemm(const Gemm<T>& g) {
+  gemm<T>(g.ta, g.tb, g.M, g.N, g.K, g.alpha, g.A, g.lda, g.B, g.ldb, g.beta, g.C, g.ldc);
+}
+// gemm(p); gemm(q) for two products that share no output, computed side by side by halves of
+// the team (gemm.cpp says why).
+template <class T>
+void gemm_pair(const Gemm<T>& p, const Gemm<T>& q);
+
 template <class T>
 void gemm_naive(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A,
                 std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc) {

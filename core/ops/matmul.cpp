@@ -231,12 +231,19 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
               if (n.needs_grad(0)) n.grad_in(0);
               if (n.needs_grad(1)) n.grad_in(1);
             } else {
-              if (GradDest dx = n.grad_dest(0); dx.defined())  // dx (rows, in) (+)= dy w
-                gemm<T>(false, false, rows, in, out, T(1), G, out, n.saved[1].data<T>(), in, dx.acc ? T(1) : T(0),
-                        dx.ptr<T>(), in);
-              if (GradDest dw = n.grad_dest(1); dw.defined())  // dw (out, in) (+)= dy^T x
-                gemm<T>(true, false, out, in, rows, T(1), G, out, n.saved[0].data<T>(), in, dw.acc ? T(1) : T(0),
-                        dw.ptr<T>(), in);
+              GradDest dx = n.grad_dest(0), dw = n.grad_dest(1);
+              // dx (rows, in) (+)= dy w;  dw (out, in) (+)= dy^T x: the same number of multiply-adds,
+              // computed side by side (kernels::gemm_pair) unless x and w are one tensor, whose
+              // gradient the two then write in turn.
+              const kernels::Gemm<T> px{false, false, rows, in, out, T(1), G, out, n.saved[1].data<T>(), in,
+                                        dx.acc ? T(1) : T(0), dx.ptr<T>(), in};
+              const kernels::Gemm<T> pw{true, false, out, in, rows, T(1), G, out, n.saved[0].data<T>(), in,
+                                        dw.acc ? T(1) : T(0), dw.ptr<T>(), in};
+              if (dx.defined() && dw.defined() && dx.buf != dw.buf) kernels::gemm_pair(px, pw);
+              else {
+                if (dx.defined()) kernels::gemm(px);
+                if (dw.defined()) kernels::gemm(pw);
+              }
             }
             if (GradDest db = n.grad_dest(2); db.defined()) {  // db (+)= column sums of dy
               if (!db.acc) kernels::sum_forward(G, db.ptr<T>(), 1, rows, out, 1.0);

@@ -112,6 +112,61 @@ TEST_CASE("gemm split across threads (by rows or by columns) matches the naive r
   set_num_threads(before);
 }
 
+TEST_CASE("gemm_pair computes two products side by side as two gemm calls would, any team size") {
+  // The team is cut in two in proportion to the products' work (kernels/gemm.cpp); each part
+  // splits its product again when it has several threads. Products of equal and unequal work,
+  // one too small to split (run after the other on the whole team), beta 0 and 1.
+  const int before = get_num_threads();
+  Generator g(31);
+  struct P {
+    bool ta, tb;
+    int M, N, K;
+  };
+  const std::vector<std::pair<P, P>> pairs = {{{false, false, 200, 48, 96}, {true, false, 96, 48, 200}},
+                                              {{false, true, 300, 64, 40}, {false, false, 20, 33, 64}},
+                                              {{true, true, 64, 257, 50}, {false, false, 129, 129, 129}},
+                                              {{false, false, 3, 5, 7}, {true, false, 160, 160, 160}}};
+  for (int threads : {1, 2, 3, 4}) {
+    set_num_threads(threads);
+    for (const auto& [p, q] : pairs)
+      for (double beta : {0.0, 1.0}) {
+        auto make = [&](const P& s, std::vector<Tensor>& keep) {
+          keep = {randn({s.ta ? s.K : s.M, s.ta ? s.M : s.K}, float64, &g),
+                  randn({s.tb ? s.N : s.K, s.tb ? s.K : s.N}, float64, &g), randn({s.M, s.N}, float64, &g)};
+          keep.push_back(keep[2].clone());  // the reference's C
+          kernels::gemm_naive<double>(s.ta, s.tb, s.M, s.N, s.K, 0.75, keep[0].data<double>(), keep[0].size(1),
+                                      keep[1].data<double>(), keep[1].size(1), beta, keep[3].data<double>(), s.N);
+          return kernels::Gemm<double>{s.ta, s.tb, s.M, s.N, s.K, 0.75, keep[0].data<double>(), keep[0].size(1),
+                                       keep[1].data<double>(), keep[1].size(1), beta, keep[2].data<double>(), s.N};
+        };
+        std::vector<Tensor> kp, kq;
+        const auto gp = make(p, kp);
+        const auto gq = make(q, kq);
+        kernels::gemm_pair(gp, gq);
+        INFO("threads=" << threads << " p " << p.M << "x" << p.N << "x" << p.K << " q " << q.M << "x" << q.N << "x"
+                        << q.K << " beta=" << beta);
+        CHECK(max_abs_diff(kp[2], kp[3]) < 1e-11);
+        CHECK(max_abs_diff(kq[2], kq[3]) < 1e-11);
+      }
+  }
+  // A Linear's backward pairs dx and dw: at a size that is split, against the composite matmul's
+  // gradients; and linear(a, a), where both products write one gradient, in turn.
+  set_num_threads(2);
+  Tensor x = param64({256, 96}, 41), w = param64({80, 96}, 42);
+  Tensor x2 = x.detach().clone().requires_grad_(), w2 = w.detach().clone().requires_grad_();
+  Tensor dy = randn({256, 80}, float64, &g);
+  linear(x, w).backward(dy);
+  matmul(x2, w2, false, true).backward(dy);
+  CHECK(max_abs_diff(x.grad(), x2.grad()) < 1e-11);
+  CHECK(max_abs_diff(w.grad(), w2.grad()) < 1e-11);
+  Tensor a = param64({128, 128}, 43), a2 = a.detach().clone().requires_grad_();
+  Tensor da = randn({128, 128}, float64, &g);
+  linear(a, a).backward(da);
+  matmul(a2, a2, false, true).backward(da);
+  CHECK(max_abs_diff(a.grad(), a2.grad()) < 1e-11);
+  set_num_threads(before);
+}
+
 TEST_CASE("matmul forward matches the naive reference: 2-D, batched, folded, transposed") {
   Generator g(4);
   for (DType dt : {float32, float64}) {
