@@ -16,6 +16,9 @@
 //                                Linear calls it), kernels = tg::kernels::gemm, cblas = cblas_sgemm
 //                                called directly (one call per matrix for the batched case). FLOPS is
 //                                2 * M * N * K * batch per second.
+//   step_products/gpt/<impl>     every Linear product of one bench_train step, forward and backward,
+//                                as the framework makes them (tg) or as direct cblas_sgemm calls
+//                                (cblas): the floor under the step time (bm_step_products).
 //   tape/chain/<n>               a chain of n small recorded ops (x = x * 1.0001 + 0.0001 on 4 elements,
 //                                2 ops per step, then sum + backward), as torch_kernels.py's tape_case;
 //                                ns_per_op = wall time of forward + backward / n.
@@ -211,6 +214,71 @@ void bm_matmul(benchmark::State& state, MatmulCase c, Impl impl) {
   set_flops(state, c);
 }
 
+// Every Linear product of one training step of bench_train's GPT (4 layers; qkv, proj, fc, fc_out
+// per layer, and the tied head): the forward products as tg::linear computes them, the backward
+// ones (dx = dy W and dW = dy^T x of each Linear) through kernels::gemm_pair as its backward does;
+// "cblas" makes the same products as direct cblas_sgemm calls, threaded by OpenBLAS. Attention's
+// per-head products (about 2.5% of the step's multiply-adds) are left out. The time is a floor
+// under the training step: what it would take if nothing but these products cost anything.
+void bm_step_products(benchmark::State& state, bool direct) {
+  struct Lin {
+    i64 in, out, layers;
+  };
+  const i64 rows = 768;
+  const Lin lins[] = {{128, 384, 4}, {128, 128, 4}, {128, 512, 4}, {512, 128, 4}, {128, 65, 1}};
+  struct Bufs {
+    std::vector<float> x, w, y, dy, dx, dw;
+  };
+  std::vector<Bufs> bufs;
+  double flops = 0;
+  tg::Generator gen(77);
+  auto fill = [&](i64 n) {
+    std::vector<float> v(static_cast<std::size_t>(n));
+    const tg::Tensor t = tg::randn({n}, tg::float32, &gen);
+    std::copy(t.data<float>(), t.data<float>() + n, v.begin());
+    return v;
+  };
+  for (const Lin& l : lins)
+    for (i64 k = 0; k < l.layers; ++k) {
+      bufs.push_back({fill(rows * l.in), fill(l.out * l.in), fill(rows * l.out), fill(rows * l.out), fill(rows * l.in),
+                      fill(l.out * l.in)});
+      flops += 3 * 2.0 * static_cast<double>(rows * l.in * l.out);
+    }
+  auto sg = [](bool ta, bool tb, i64 M, i64 N, i64 K, const float* A, i64 lda, const float* B, i64 ldb, float* C,
+               i64 ldc) {
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<blasint>(M),
+                static_cast<blasint>(N), static_cast<blasint>(K), 1.0f, A, static_cast<blasint>(lda), B,
+                static_cast<blasint>(ldb), 0.0f, C, static_cast<blasint>(ldc));
+  };
+  for (auto _ : state) {
+    std::size_t b = 0;
+    for (const Lin& l : lins)  // forward, layer by layer
+      for (i64 k = 0; k < l.layers; ++k, ++b) {
+        Bufs& u = bufs[b];
+        if (direct) sg(false, true, rows, l.out, l.in, u.x.data(), l.in, u.w.data(), l.in, u.y.data(), l.out);
+        else tg::kernels::gemm<float>(false, true, rows, l.out, l.in, 1.0f, u.x.data(), l.in, u.w.data(), l.in, 0.0f,
+                                      u.y.data(), l.out);
+      }
+    b = 0;
+    for (const Lin& l : lins)  // backward
+      for (i64 k = 0; k < l.layers; ++k, ++b) {
+        Bufs& u = bufs[b];
+        const tg::kernels::Gemm<float> px{false, false, rows, l.in, l.out, 1.0f, u.dy.data(), l.out, u.w.data(), l.in,
+                                          0.0f, u.dx.data(), l.in};
+        const tg::kernels::Gemm<float> pw{true, false, l.out, l.in, rows, 1.0f, u.dy.data(), l.out, u.x.data(), l.in,
+                                          0.0f, u.dw.data(), l.in};
+        if (direct) {
+          sg(px.ta, px.tb, px.M, px.N, px.K, px.A, px.lda, px.B, px.ldb, px.C, px.ldc);
+          sg(pw.ta, pw.tb, pw.M, pw.N, pw.K, pw.A, pw.lda, pw.B, pw.ldb, pw.C, pw.ldc);
+        } else {
+          tg::kernels::gemm_pair(px, pw);
+        }
+      }
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // ---------------------------------------------------------------- tape
 
 void bm_tape(benchmark::State& state, i64 n_ops) {
@@ -317,6 +385,8 @@ int main(int argc, char** argv) {
           ->UseRealTime()->Unit(benchmark::kMicrosecond);
   }
 
+  benchmark::RegisterBenchmark("step_products/gpt/tg", bm_step_products, false)->UseRealTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("step_products/gpt/cblas", bm_step_products, true)->UseRealTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("tape/chain/100000", bm_tape, i64{100000})->UseRealTime()->Unit(benchmark::kMillisecond);
 
   benchmark::Initialize(&n, args.data());
