@@ -16,7 +16,7 @@
 //                                Linear calls it), kernels = tg::kernels::gemm, cblas = cblas_sgemm
 //                                called directly (one call per matrix for the batched case). FLOPS is
 //                                2 * M * N * K * batch per second.
-//   step_products/gpt/<impl>     every Linear product of one bench_train step, forward and backward,
+//   step_products/gpt/<impl>     every weight product of one bench_train step, forward and backward,
 //                                as the framework makes them (tg) or as direct cblas_sgemm calls
 //                                (cblas): the floor under the step time (bm_step_products).
 //   tape/chain/<n>               a chain of n small recorded ops (x = x * 1.0001 + 0.0001 on 4 elements,
@@ -214,18 +214,21 @@ void bm_matmul(benchmark::State& state, MatmulCase c, Impl impl) {
   set_flops(state, c);
 }
 
-// Every Linear product of one training step of bench_train's GPT (4 layers; qkv, proj, fc, fc_out
-// per layer, and the tied head): the forward products as tg::linear computes them, the backward
-// ones (dx = dy W and dW = dy^T x of each Linear) through kernels::gemm_pair as its backward does;
+// The weight products of one training step of bench_train's GPT: per layer the Linears qkv, proj,
+// fc and fc_out, and the head (a matmul with the tied embedding): the forward products as
+// tg::linear / tg::matmul compute them, the backward ones (dx = dy W and dW = dy^T x) through
+// kernels::gemm_pair as Linear's backward does (the head's two one after the other, as matmul's).
 // "cblas" makes the same products as direct cblas_sgemm calls, threaded by OpenBLAS. Attention's
-// per-head products (about 2.5% of the step's multiply-adds) are left out. The time is a floor
-// under the training step: what it would take if nothing but these products cost anything.
+// per-head products (about 8% of the step's multiply-adds: 151 M against 1,830 M) are left out.
+// The time is a floor under the training step: what it would take if nothing else cost anything.
 void bm_step_products(benchmark::State& state, bool direct) {
   struct Lin {
     i64 in, out, layers;
+    bool paired;  // a Linear (gemm_pair), or the tied head (two gemm calls)
   };
   const i64 rows = 768;
-  const Lin lins[] = {{128, 384, 4}, {128, 128, 4}, {128, 512, 4}, {512, 128, 4}, {128, 65, 1}};
+  const Lin lins[] = {{128, 384, 4, true}, {128, 128, 4, true}, {128, 512, 4, true}, {512, 128, 4, true},
+                      {128, 65, 1, false}};
   struct Bufs {
     std::vector<float> x, w, y, dy, dx, dw;
   };
@@ -270,8 +273,11 @@ void bm_step_products(benchmark::State& state, bool direct) {
         if (direct) {
           sg(px.ta, px.tb, px.M, px.N, px.K, px.A, px.lda, px.B, px.ldb, px.C, px.ldc);
           sg(pw.ta, pw.tb, pw.M, pw.N, pw.K, pw.A, pw.lda, pw.B, pw.ldb, pw.C, pw.ldc);
-        } else {
+        } else if (l.paired) {
           tg::kernels::gemm_pair(px, pw);
+        } else {
+          tg::kernels::gemm(px);
+          tg::kernels::gemm(pw);
         }
       }
     benchmark::ClobberMemory();

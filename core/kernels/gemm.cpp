@@ -44,6 +44,11 @@ std::int64_t cut(std::int64_t D, int t, int nt) {
   return c < D ? c : D;
 }
 
+// Worth cutting across the team: large enough that a team pays off, wide enough for two tiles.
+template <class T>
+bool split_worth(const Gemm<T>& g) {
+  return std::max(g.M, g.N) >= 32 && worth_parallel(g.M * g.N * g.K / 16);
+}
 // The product is split across the team here, not inside OpenBLAS: each thread computes a block of
 // rows of C (or of columns, when C is wider than tall) with a single-threaded BLAS call (OpenBLAS's
 // OpenMP build runs serially inside a parallel region). OpenBLAS's own threading of these small
@@ -52,11 +57,6 @@ std::int64_t cut(std::int64_t D, int t, int nt) {
 // barrier per call. Measured in the training benchmark, alternating the two ways step by step:
 // 4 to 8% less time per step. Each thread also zero-fills its own block of C, which is then in its
 // cache when the product starts.
-template <class T>
-bool split_worth(const Gemm<T>& g) {
-  return std::max(g.M, g.N) >= 32 && worth_parallel(g.M * g.N * g.K / 16);
-}
-// Thread t of nt computes its block of g.
 template <class T>
 void gemm_block(const Gemm<T>& g, int t, int nt) {
   const bool by_rows = g.M >= g.N;
@@ -92,10 +92,12 @@ void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T al
 }
 
 // Two independent products in one parallel region, the team cut in two in proportion to their
-// work (with two threads: one product each, whole). The two products of a Linear's backward,
-// dx = dy w and dw = dy^T x, have the same number of multiply-adds, so each thread gets an equal
-// share without cutting a product: no operand is packed twice (each thread of a split product
-// packs the whole shared operand) and one barrier serves both. Measured in the training benchmark,
+// work (with two threads: one product each, whole); one after the other on the whole team when
+// either is too small to split, inside a parallel region, or with one thread. The two products of
+// a Linear's backward, dx = dy w and dw = dy^T x, have the same number of multiply-adds, so with
+// two threads each gets an equal share without cutting a product: no operand is packed twice
+// (each thread of a split product packs the whole shared operand) and one barrier serves both.
+// (With two threads and unequal products the larger one sets the time: meant for equal pairs.) Measured in the training benchmark,
 // the two ways alternating step by step within a run: 1.2% less time per step (the paired steps'
 // median over the others' 0.979-1.003 in six runs, against 0.993-1.010 for a control that
 // alternated nothing).

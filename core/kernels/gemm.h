@@ -29,8 +29,8 @@ template <class T>
 void gemm(const Gemm<T>& g) {
   gemm<T>(g.ta, g.tb, g.M, g.N, g.K, g.alpha, g.A, g.lda, g.B, g.ldb, g.beta, g.C, g.ldc);
 }
-// gemm(p); gemm(q) for two products that share no output, computed side by side by halves of
-// the team (gemm.cpp says why).
+// gemm(p); gemm(q) for two products of about equal work, neither of which reads or writes the
+// other's output, computed side by side by halves of the team (gemm.cpp says why).
 template <class T>
 void gemm_pair(const Gemm<T>& p, const Gemm<T>& q);
 

@@ -6,7 +6,9 @@
 // Statistics accumulate in double whatever T is, variances are two-pass (mean first, then squared
 // deviations), and per-row statistics are saved for the backward so it never recomputes them.
 // The per-row sums are 16 interleaved partial sums (sum16 below): several independent chains in
-// vector registers, added in a fixed order, so results stay deterministic.
+// vector registers, added in a fixed order, so results stay deterministic. Float32 RMSNorm rows
+// whose lengths are multiples of 8 take rms_avx2.h's path instead where the build has AVX2: float
+// sums within chunks of 32 features, double across chunks (that file says why).
 // Parameter gradients (dg, db) are sums over rows: each thread accumulates its rows into its own
 // double buffer (RMSNorm's in blocks of 16 rows summed in T first) and the buffers are added in
 // thread order, so results are deterministic for a given thread count.
@@ -156,7 +158,8 @@ void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::in
 //   da_i = g_i dy_i / r  -  [i < k] a_i / (k r^3) * sum_{j < n} g_j dy_j a_j
 // (the sum runs over all n outputs, since every y_j is divided by r; only the d r / d a_i factor
 // is restricted to the first k features);  dg += sum_rows dy a / r;  db += sum_rows dy.
-// The row sum and the parameter sums are in double; the elementwise terms in T.
+// The row sum and the parameter sums are in double (on the AVX2 path across chunks of 32 features
+// and blocks of 16 rows); the elementwise terms in T.
 template <class T>
 void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx, T* dg, T* db, std::int64_t rows,
                        std::int64_t C, std::int64_t k, bool acc_dx) {
@@ -179,7 +182,7 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
   }
 #endif
   with_acc(acc_dx, [&](auto A) {
-  with_bool(stream, [&](auto S) {
+  with_bool(stream, [&]([[maybe_unused]] auto S) {  // S: only the AVX2 path streams
   const std::vector<double> tot = rows_with_partials(blocks, 2 * C, rows * C, [&](std::int64_t blk, double* acc) {
     thread_local std::vector<T> part;
     if (dg || db) part.assign(static_cast<std::size_t>(2 * C), T(0));
@@ -199,7 +202,9 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
                                                    static_cast<T>(s * rr * rr * rr / static_cast<double>(k)), C, k,
                                                    dx + r * C);
         }
-        if constexpr (stream_v) _mm_sfence();  // streamed lines visible before the team's barrier
+        // Streamed stores are weakly ordered: fenced before the block's rows count as written (and
+        // so before the team's barrier, after which other threads may read them).
+        if constexpr (stream_v) _mm_sfence();
       }
     }
 #endif

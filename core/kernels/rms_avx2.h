@@ -1,8 +1,9 @@
 #pragma once
 // RMSNorm's float32 rows with AVX2 and FMA: the fast path of rms_norm_forward / rms_norm_backward
 // (norms.h) when the binary is built for such a CPU (-march=native on x86-64) and the row length
-// C and the statistic's length k are multiples of 8. norms.h keeps the portable loops beside it;
-// they are the reference the tests compare this path with, and what every other build runs.
+// C and the statistic's length k are multiples of 8. norms.h keeps the portable loops beside it:
+// what every other build and shape runs, and, in float64, the reference the tests compare this
+// path's float32 results with.
 //
 // Why intrinsics. On (8192, 768) the portable backward made three passes over each row (the row
 // sum in double, the gain-gradient sum, dx) and converted every product to double for the row sum;
@@ -47,7 +48,7 @@ inline double hsum(__m256d a, __m256d b) {
   _mm256_store_pd(q, _mm256_add_pd(a, b));
   return (q[0] + q[1]) + (q[2] + q[3]);
 }
-// Adds the 8 float lanes of v into two double accumulators.
+// A chunk's 8 float lanes into the double sums: the only conversions of the path.
 inline void widen_add(__m256 v, __m256d& lo, __m256d& hi) {
   lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
   hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
@@ -78,7 +79,7 @@ inline void store(float* d, __m256 v) {
   else _mm256_storeu_ps(d, v);
 }
 
-// Forward row: returns sum_{j < k} a_j^2 (C, k as fits()), nothing written.
+// Forward row: returns sum_{j < k} a_j^2 (k % 8 == 0), nothing written.
 inline double sum_squares(const float* xr, std::int64_t k) {
   return chunked_sum(k, [&](std::int64_t j) {
     const __m256 a = _mm256_loadu_ps(xr + j);

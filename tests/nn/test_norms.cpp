@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "helpers.h"
+#include "kernels/rms_avx2.h"
 
 using namespace tg;
 using namespace tgtest;
@@ -108,13 +109,14 @@ TEST_CASE("float32 RMSNorm agrees with float64 on every row path: vector rows, s
     std::int64_t rows, C;
     double p;
     bool gain, bias, acc, dx;
+    bool vec;  // the AVX2 path (C and k multiples of 8)
   };
   const std::vector<Case> cases = {
-      {64, 768, 1.0, true, false, false, true},    {64, 768, 0.0625, true, true, false, true},  // k = 48
-      {33, 200, 1.0, true, true, true, true},      {5, 8, 1.0, false, false, false, true},      // C % 32 = 8
-      {40, 100, 1.0, true, false, false, true},    {40, 768, 0.3, true, false, true, true},     // portable: C, k
-      {300, 128, 1.0, true, true, false, false},   {7, 24, 0.5, true, false, true, true},       // no dx; k = 12
-      {8192, 512, 1.0, true, false, false, true},  {8192, 512, 1.0, true, true, true, true}};  // 16 MiB: streamed
+      {64, 768, 1.0, true, false, false, true, true},    {64, 768, 0.0625, true, true, false, true, true},  // k = 48
+      {33, 200, 1.0, true, true, true, true, true},      {5, 8, 1.0, false, false, false, true, true},      // C % 32 = 8
+      {40, 100, 1.0, true, false, false, true, false},   {40, 768, 0.3, true, false, true, true, false},    // C; k = 231
+      {300, 128, 1.0, true, true, false, false, true},   {7, 24, 0.5, true, false, true, true, false},      // no dx; k = 12
+      {8192, 512, 1.0, true, false, false, true, true},  {8192, 512, 1.0, true, true, true, true, true}};  // 16 MiB: streamed
   std::uint64_t seed = 900;
   for (const Case& c : cases) {
     INFO("rows " << c.rows << " C " << c.C << " p " << c.p << " gain " << c.gain << " bias " << c.bias << " acc "
@@ -127,6 +129,7 @@ TEST_CASE("float32 RMSNorm agrees with float64 on every row path: vector rows, s
     const Tensor other = randn({c.rows, c.C}, float64, &gen);
     struct Out {
       Tensor y, x, g, b;
+      bool streamable = false;  // the float32 output qualified for non-temporal stores
     };
     auto run = [&](DType dt) {
       Tensor x = x64.clone().to(dt).requires_grad_(c.dx);
@@ -137,10 +140,21 @@ TEST_CASE("float32 RMSNorm agrees with float64 on every row path: vector rows, s
       // recorded after the norm, so its backward runs first and the norm's dx is added to it
       if (c.acc && c.dx) loss = add(loss, sum(mul(x, other.to(dt))));
       loss.backward();
+      bool streamable = false;
+#ifdef TG_RMS_AVX2
+      if (dt == float32) streamable = kernels::rms_avx2::streamable(y.data<float>(), y.numel() * 4);
+#endif
       return Out{y.detach().to(float64), c.dx ? x.grad().to(float64) : Tensor(),
-                 c.gain ? g.grad().to(float64) : Tensor(), c.bias ? b.grad().to(float64) : Tensor()};
+                 c.gain ? g.grad().to(float64) : Tensor(), c.bias ? b.grad().to(float64) : Tensor(), streamable};
     };
     const Out r64 = run(float64), r32 = run(float32);
+#ifdef TG_RMS_AVX2
+    // The cases take the path their comments say (a changed condition would quietly move them all
+    // to the portable loops, which would still pass the comparisons below).
+    const std::int64_t k = std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(c.p * static_cast<double>(c.C))));
+    CHECK(kernels::rms_avx2::fits(c.C, k) == c.vec);
+    CHECK(r32.streamable == (c.rows * c.C * 4 >= (std::int64_t{16} << 20)));
+#endif
     auto rel = [](const Tensor& a, const Tensor& ref) { return max_abs_diff(a, ref) / max(abs(ref)).item(); };
     CHECK(rel(r32.y, r64.y) <= 1e-6);
     if (c.dx) {
