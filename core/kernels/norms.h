@@ -174,7 +174,8 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
   constexpr std::int64_t kRowBlock = 16;
   const std::int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   // The AVX2 path (rms_avx2.h) for float rows it fits; dx streamed past the caches when large.
-  bool stream = false, fast = false;
+  bool fast = false;
+  [[maybe_unused]] bool stream = false;  // read by the AVX2 path only
 #ifdef TG_RMS_AVX2
   if constexpr (std::is_same_v<T, float>) {
     fast = rms_avx2::fits(C, k);
@@ -182,7 +183,6 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
   }
 #endif
   with_acc(acc_dx, [&](auto A) {
-  with_bool(stream, [&]([[maybe_unused]] auto S) {  // S: only the AVX2 path streams
   const std::vector<double> tot = rows_with_partials(blocks, 2 * C, rows * C, [&](std::int64_t blk, double* acc) {
     thread_local std::vector<T> part;
     if (dg || db) part.assign(static_cast<std::size_t>(2 * C), T(0));
@@ -191,7 +191,7 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
     const std::int64_t r0 = blk * kRowBlock, r1 = std::min(rows, r0 + kRowBlock);
 #ifdef TG_RMS_AVX2
     if constexpr (std::is_same_v<T, float>) {
-      if (fast) {
+      if (fast) with_bool(stream, [&](auto S) {
         constexpr bool acc_v = decltype(A)::value, stream_v = decltype(S)::value && !acc_v;
         for (std::int64_t r = r0; r < r1; ++r) {
           const double rr = rrms[r];
@@ -205,7 +205,7 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
         // Streamed stores are weakly ordered: fenced before the block's rows count as written (and
         // so before the team's barrier, after which other threads may read them).
         if constexpr (stream_v) _mm_sfence();
-      }
+      });
     }
 #endif
     for (std::int64_t r = r0; r < r1 && !fast; ++r) {  // the portable rows
@@ -213,14 +213,14 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
       const T* gr = dy + r * C;
       const double rr = rrms[r];
       const T rt = static_cast<T>(rr);
-      T* dr = dx ? dx + r * C : nullptr;
       const double s = sum16(C, [&](std::int64_t j) { return static_cast<double>(gr[j] * gg[j]) * xr[j]; });
       // x and dy come from memory once: the loops below find the row in L1.
       if (dg)
         for (std::int64_t j = 0; j < C; ++j) pg[j] += gr[j] * xr[j] * rt;
       if (db)
         for (std::int64_t j = 0; j < C; ++j) pb[j] += gr[j];
-      if (!dr) continue;
+      if (!dx) continue;
+      T* dr = dx + r * C;
       const T c2 = static_cast<T>(s * rr * rr * rr / static_cast<double>(k));
       for (std::int64_t j = 0; j < k; ++j) put<decltype(A)>(dr[j], gr[j] * gg[j] * rt - xr[j] * c2);
       for (std::int64_t j = k; j < C; ++j) put<decltype(A)>(dr[j], gr[j] * gg[j] * rt);
@@ -231,7 +231,6 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
       for (std::int64_t j = 0; j < C; ++j) acc[C + j] += static_cast<double>(pb[j]);
   });
   add_param_grads(tot, C, dg, db);
-  });
   });
 }
 
