@@ -165,6 +165,14 @@ struct MatmulCase {
 
 enum class Impl { tg, kernels, cblas };
 
+// C = op(A) op(B) (beta = 0) as one direct cblas_sgemm call, row-major: the yardstick.
+void sgemm_direct(bool ta, bool tb, i64 M, i64 N, i64 K, const float* A, i64 lda, const float* B, i64 ldb, float* C,
+                  i64 ldc) {
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<blasint>(M),
+              static_cast<blasint>(N), static_cast<blasint>(K), 1.0f, A, static_cast<blasint>(lda), B,
+              static_cast<blasint>(ldb), 0.0f, C, static_cast<blasint>(ldc));
+}
+
 void set_flops(benchmark::State& state, const MatmulCase& c) {
   const double flops = 2.0 * static_cast<double>(c.M * c.N * c.K) * static_cast<double>(c.batch > 0 ? c.batch : 1);
   state.counters["FLOPS"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
@@ -202,10 +210,8 @@ void bm_matmul(benchmark::State& state, MatmulCase c, Impl impl) {
     case Impl::cblas:
       for (auto _ : state) {
         for (i64 i = 0; i < nb; ++i)
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, c.trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(c.M),
-                      static_cast<blasint>(c.N), static_cast<blasint>(c.K), 1.0f, A + i * c.M * c.K,
-                      static_cast<blasint>(c.K), B + i * c.N * c.K, static_cast<blasint>(ldb), 0.0f,
-                      out.data() + i * c.M * c.N, static_cast<blasint>(c.N));
+          sgemm_direct(false, c.trans_b, c.M, c.N, c.K, A + i * c.M * c.K, c.K, B + i * c.N * c.K, ldb,
+                       out.data() + i * c.M * c.N, c.N);
         benchmark::DoNotOptimize(out.data());
         benchmark::ClobberMemory();
       }
@@ -236,10 +242,8 @@ void bm_step_products(benchmark::State& state, bool direct) {
   double flops = 0;
   tg::Generator gen(77);
   auto fill = [&](i64 n) {
-    std::vector<float> v(static_cast<std::size_t>(n));
     const tg::Tensor t = tg::randn({n}, tg::float32, &gen);
-    std::copy(t.data<float>(), t.data<float>() + n, v.begin());
-    return v;
+    return std::vector<float>(t.data<float>(), t.data<float>() + n);
   };
   for (const Lin& l : lins)
     for (i64 k = 0; k < l.layers; ++k) {
@@ -247,18 +251,12 @@ void bm_step_products(benchmark::State& state, bool direct) {
                       fill(l.out * l.in)});
       flops += 3 * 2.0 * static_cast<double>(rows * l.in * l.out);
     }
-  auto sg = [](bool ta, bool tb, i64 M, i64 N, i64 K, const float* A, i64 lda, const float* B, i64 ldb, float* C,
-               i64 ldc) {
-    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<blasint>(M),
-                static_cast<blasint>(N), static_cast<blasint>(K), 1.0f, A, static_cast<blasint>(lda), B,
-                static_cast<blasint>(ldb), 0.0f, C, static_cast<blasint>(ldc));
-  };
   for (auto _ : state) {
     std::size_t b = 0;
     for (const Lin& l : lins)  // forward, layer by layer
       for (i64 k = 0; k < l.layers; ++k, ++b) {
         Bufs& u = bufs[b];
-        if (direct) sg(false, true, rows, l.out, l.in, u.x.data(), l.in, u.w.data(), l.in, u.y.data(), l.out);
+        if (direct) sgemm_direct(false, true, rows, l.out, l.in, u.x.data(), l.in, u.w.data(), l.in, u.y.data(), l.out);
         else tg::kernels::gemm<float>(false, true, rows, l.out, l.in, 1.0f, u.x.data(), l.in, u.w.data(), l.in, 0.0f,
                                       u.y.data(), l.out);
       }
@@ -271,8 +269,8 @@ void bm_step_products(benchmark::State& state, bool direct) {
         const tg::kernels::Gemm<float> pw{true, false, l.out, l.in, rows, 1.0f, u.dy.data(), l.out, u.x.data(), l.in,
                                           0.0f, u.dw.data(), l.in};
         if (direct) {
-          sg(px.ta, px.tb, px.M, px.N, px.K, px.A, px.lda, px.B, px.ldb, px.C, px.ldc);
-          sg(pw.ta, pw.tb, pw.M, pw.N, pw.K, pw.A, pw.lda, pw.B, pw.ldb, pw.C, pw.ldc);
+          sgemm_direct(px.ta, px.tb, px.M, px.N, px.K, px.A, px.lda, px.B, px.ldb, px.C, px.ldc);
+          sgemm_direct(pw.ta, pw.tb, pw.M, pw.N, pw.K, pw.A, pw.lda, pw.B, pw.ldb, pw.C, pw.ldc);
         } else if (l.paired) {
           tg::kernels::gemm_pair(px, pw);
         } else {

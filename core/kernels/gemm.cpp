@@ -97,10 +97,10 @@ void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T al
 // a Linear's backward, dx = dy w and dw = dy^T x, have the same number of multiply-adds, so with
 // two threads each gets an equal share without cutting a product: no operand is packed twice
 // (each thread of a split product packs the whole shared operand) and one barrier serves both.
-// (With two threads and unequal products the larger one sets the time: meant for equal pairs.) Measured in the training benchmark,
-// the two ways alternating step by step within a run: 1.2% less time per step (the paired steps'
-// median over the others' 0.979-1.003 in six runs, against 0.993-1.010 for a control that
-// alternated nothing).
+// (With two threads and unequal products the larger one sets the time: meant for equal pairs.)
+// Measured in the training benchmark, the two ways alternating step by step within a run: 1.2%
+// less time per step (the paired steps' median over the others' 0.979-1.003 in six runs, against
+// 0.993-1.010 for a control that alternated nothing).
 template <class T>
 void gemm_pair(const Gemm<T>& p, const Gemm<T>& q) {
   const int nt = omp_get_max_threads();
