@@ -78,53 +78,63 @@ void* Arena::allocate_slow(std::size_t bytes, std::size_t align) {
 
 Node::Node(Node&& o) noexcept
     : op(o.op),
-      inputs(std::move(o.inputs)),
-      outputs(std::move(o.outputs)),
-      other_shapes(std::move(o.other_shapes)),
-      undefined_inputs(o.undefined_inputs),
       saved(std::move(o.saved)),
-      backward(o.backward),
-      freed(o.freed) {
+      inputs_(o.inputs_),
+      n_in(o.n_in),
+      n_other(o.n_other),
+      n_out(o.n_out),
+      freed(o.freed),
+      undefined_inputs(o.undefined_inputs),
+      backward(o.backward) {
   o.backward = BackwardFn{};
+  o.freed = true;  // what it owned is this node's now
 }
 
-const Tensor& Node::grad_out(std::size_t i) const { return outputs[i]->grad; }
+void Node::release() {
+  static_assert(std::is_trivially_destructible_v<Shape>, "other_shapes are not destroyed one by one");
+  saved.destroy();
+  release_backward();
+  for (auto& m : inputs()) m.~shared_ptr();
+  for (auto& m : outputs()) m.~shared_ptr();
+  n_in = n_out = n_other = 0;  // a freed node's arrays read as empty
+}
+
+const Tensor& Node::grad_out(std::size_t i) const { return outputs()[i]->grad.get(); }
 
 const Shape& Node::input_shape(std::size_t i) const {
-  if (inputs[i]) return inputs[i]->shape;
+  if (inputs_[i]) return inputs_[i]->shape;
   std::size_t k = 0;  // the number of inputs before i that have no autograd slot
-  for (std::size_t j = 0; j < i; ++j) k += inputs[j] ? 0 : 1;
-  return other_shapes[k];
+  for (std::size_t j = 0; j < i; ++j) k += inputs_[j] ? 0 : 1;
+  return other_shapes()[k];
 }
 
 Tensor Node::grad_in(std::size_t i) const {
   if (!needs_grad(i)) return Tensor();
-  return inputs[i]->grad_accumulator();
+  return inputs_[i]->grad_accumulator();
 }
 
 bool Node::input_repeated(std::size_t i) const {
-  for (std::size_t j = 0; j < inputs.size(); ++j)
-    if (j != i && inputs[j] == inputs[i]) return true;
+  for (std::size_t j = 0; j < n_in; ++j)
+    if (j != i && inputs_[j] == inputs_[i]) return true;
   return false;
 }
 
 GradDest Node::grad_add(std::size_t i) const {
   if (!needs_grad(i)) return GradDest{};
-  return GradDest{&inputs[i]->grad_accumulator(), true};
+  return GradDest{&inputs_[i]->grad_accumulator(), true};
 }
 
 GradDest Node::grad_dest(std::size_t i) const {
   GradDest d;
   if (!needs_grad(i)) return d;
-  AutogradMeta& m = *inputs[i];
+  AutogradMeta& m = *inputs_[i];
   // The same tensor passed as two inputs (x * x): both writes add into one zero-filled buffer, so
   // the kernel's order of writing them does not matter.
   if (m.grad.defined() || input_repeated(i)) {
     d.buf = &m.grad_accumulator();
     d.acc = true;
   } else {
-    m.grad = Tensor::empty(m.shape, m.dtype);
-    d.buf = &m.grad;
+    d.buf = &m.grad.set(Tensor::empty(m.shape, m.dtype));
     d.acc = false;
   }
   return d;
@@ -132,13 +142,15 @@ GradDest Node::grad_dest(std::size_t i) const {
 
 GradDest Node::grad_dest_over(std::size_t i, std::size_t j) const {
   if (needs_grad(i)) {
-    AutogradMeta& m = *inputs[i];
-    AutogradMeta& o = *outputs[j];
-    if (!m.grad.defined() && !input_repeated(i) && !o.retains_grad && o.grad.sole_owner() && o.grad.dtype() == m.dtype &&
-        o.grad.numel() == m.shape.numel()) {
-      m.grad = std::move(o.grad);  // leaves o.grad undefined (no storage)
-      if (!(m.grad.shape() == m.shape)) m.grad = m.grad.alias(m.shape);
-      return GradDest{&m.grad, false};
+    AutogradMeta& m = *inputs_[i];
+    AutogradMeta& o = *outputs()[j];
+    const Tensor& og = o.grad.get();
+    if (!m.grad.defined() && !input_repeated(i) && !o.retains_grad && og.sole_owner() && og.dtype() == m.dtype &&
+        og.numel() == m.shape.numel()) {
+      m.grad = std::move(o.grad);  // moves the slot's pointer: leaves o.grad undefined
+      Tensor& g = *m.grad.ptr();
+      if (!(g.shape() == m.shape)) g = g.alias(m.shape);
+      return GradDest{&g, false};
     }
   }
   return grad_dest(i);
@@ -178,12 +190,9 @@ void Tape::free_node(std::size_t i) {
   Node& n = nodes_[i];
   if (n.freed) return;
   n.freed = true;
-  n.saved.destroy();
-  n.release_backward();
-  n.inputs.destroy();
   // The outputs' slots go too, while the walk has them in cache (not in a later pass of clear()).
   // A freed node is found from its outputs' side instead: their slots keep the node's index.
-  n.outputs.destroy();
+  n.release();
   --live_;
 }
 
@@ -196,7 +205,7 @@ void Tape::sweep() {
     Node& n = nodes_[i];
     if (n.freed) continue;
     bool unreachable = true;
-    for (const auto& o : n.outputs) unreachable = unreachable && o.use_count() == 1;
+    for (const auto& o : n.outputs()) unreachable = unreachable && o.use_count() == 1;
     if (unreachable) free_node(i);
   }
   // The next sweep when the tape has doubled, or quadrupled if this one freed under a quarter of
@@ -220,14 +229,14 @@ void Tape::print(std::ostream& os) const {
     std::ostringstream line;
     line << std::setw(4) << i << "  " << std::left << std::setw(22) << n.op << std::right;
     bool first = true;
-    for (std::size_t k = 0; k < n.inputs.size(); ++k) {
+    for (std::size_t k = 0; k < n.inputs().size(); ++k) {
       if (k < 64 && (n.undefined_inputs >> k & 1)) continue;  // an absent optional input (e.g. no bias)
       line << (first ? "" : ", ") << n.input_shape(k);
       first = false;
-      if (n.needs_grad(k) && n.inputs[k]->name && !n.inputs[k]->name->empty()) line << ' ' << *n.inputs[k]->name;
+      if (n.needs_grad(k) && n.inputs()[k]->name && !n.inputs()[k]->name->empty()) line << ' ' << *n.inputs()[k]->name;
     }
     line << " -> ";
-    for (std::size_t k = 0; k < n.outputs.size(); ++k) line << (k ? ", " : "") << n.outputs[k]->shape;
+    for (std::size_t k = 0; k < n.outputs().size(); ++k) line << (k ? ", " : "") << n.outputs()[k]->shape;
     line << "   saved " << human_bytes(n.bytes_saved());
     os << line.str() << '\n';
   }
@@ -249,12 +258,12 @@ std::string Tape::to_dot() const {
     if (n.freed) continue;
     s << "  op" << i << " [shape=box, style=filled, fillcolor=\"#f6e7c1\", label=\"#" << i << ' ' << n.op
       << "\\nsaved " << human_bytes(n.bytes_saved()) << "\"];\n";
-    for (std::size_t k = 0; k < n.inputs.size(); ++k) {
-      if (!n.inputs[k]) continue;
-      tensor_node(*n.inputs[k], n.inputs[k]->node < 0);
-      s << "  t" << n.inputs[k]->dot_id() << " -> op" << i << ";\n";
+    for (std::size_t k = 0; k < n.inputs().size(); ++k) {
+      if (!n.inputs()[k]) continue;
+      tensor_node(*n.inputs()[k], n.inputs()[k]->node < 0);
+      s << "  t" << n.inputs()[k]->dot_id() << " -> op" << i << ";\n";
     }
-    for (const auto& o : n.outputs) {
+    for (const auto& o : n.outputs()) {
       tensor_node(*o, false);
       s << "  op" << i << " -> t" << o->dot_id() << ";\n";
     }
@@ -312,10 +321,11 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
     ::new (out + i) Meta(m);
   }
   n.op = op;
-  n.inputs = NodeArray<Meta>(in, n_in);
-  n.outputs = NodeArray<Meta>(out, n_out);
-  n.other_shapes = NodeArray<Shape>(shapes, n_other);
   n.saved = NodeArray<Tensor>(sv, n_saved);
+  n.inputs_ = in;
+  n.n_in = static_cast<std::uint32_t>(n_in);
+  n.n_out = static_cast<std::uint32_t>(n_out);
+  n.n_other = static_cast<std::uint32_t>(n_other);
   n.undefined_inputs = undefined;
   n.backward.obj = mem + closure_at;  // raw memory until record_with constructs the closure
   return n;
@@ -354,9 +364,9 @@ std::string describe(const Tensor& t, std::int64_t i) {
 std::string shapes_of(const Node& n) {
   std::ostringstream s;
   s << '(';
-  for (std::size_t k = 0; k < n.inputs.size(); ++k) s << (k ? ", " : "") << n.input_shape(k);
+  for (std::size_t k = 0; k < n.inputs().size(); ++k) s << (k ? ", " : "") << n.input_shape(k);
   s << ") -> (";
-  for (std::size_t k = 0; k < n.outputs.size(); ++k) s << (k ? ", " : "") << n.outputs[k]->shape;
+  for (std::size_t k = 0; k < n.outputs().size(); ++k) s << (k ? ", " : "") << n.outputs()[k]->shape;
   s << ')';
   return s.str();
 }
@@ -395,21 +405,21 @@ void check_anomaly_outputs(const char* op, std::size_t index, const Node& n, con
 }
 
 void check_anomaly_backward(const Node& n, std::size_t index) {
-  for (std::size_t k = 0; k < n.inputs.size(); ++k) {
-    if (!n.inputs[k]) continue;
-    const std::int64_t at = first_nonfinite(n.inputs[k]->grad);
+  for (std::size_t k = 0; k < n.inputs().size(); ++k) {
+    if (!n.inputs()[k]) continue;
+    const std::int64_t at = first_nonfinite(n.inputs()[k]->grad.get());
     if (at < 0) continue;
     std::ostringstream up;
     bool up_bad = false;
-    for (std::size_t j = 0; j < n.outputs.size(); ++j) {
-      const std::int64_t ja = first_nonfinite(n.outputs[j]->grad);
+    for (std::size_t j = 0; j < n.outputs().size(); ++j) {
+      const std::int64_t ja = first_nonfinite(n.outputs()[j]->grad.get());
       if (ja >= 0) {
-        up << "; the upstream gradient of output " << j << " already had " << describe(n.outputs[j]->grad, ja);
+        up << "; the upstream gradient of output " << j << " already had " << describe(n.outputs()[j]->grad.get(), ja);
         up_bad = true;
       }
     }
     fail("anomaly", "backward of op '", n.op, "' (tape node ", index, ", shapes ", shapes_of(n), ") produced ",
-         describe(n.inputs[k]->grad, at), " in the gradient of input ", k,
+         describe(n.inputs()[k]->grad.get(), at), " in the gradient of input ", k,
          up_bad ? up.str() : std::string("; the upstream gradient was finite"));
   }
 }
@@ -460,7 +470,7 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
     auto note = [&](const std::shared_ptr<AutogradMeta>& m) {
       if (!m->grad.defined()) return;
       if (m->node >= 0 && m->retains_grad) retained.push_back(m);
-      seed_aliased = seed_aliased || m->grad.shares_storage(seed);
+      seed_aliased = seed_aliased || m->grad.get().shares_storage(seed);
     };
     // A freed node's outputs are gone; it is recognised through a tensor made by it.
     auto check_producer = [&](const AutogradMeta& m) {
@@ -473,9 +483,9 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
       Node& n = tp.node(static_cast<std::size_t>(i));
       if (n.freed) continue;
       bool reached = false;
-      for (const auto& o : n.outputs) reached = reached || o->visit == mark;
+      for (const auto& o : n.outputs()) reached = reached || o->visit == mark;
       if (!reached) continue;
-      for (const auto& in : n.inputs)
+      for (const auto& in : n.inputs())
         if (in && in->visit != mark) {
           check_producer(*in);
           in->visit = mark;
@@ -485,8 +495,8 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   }
   std::vector<std::pair<std::shared_ptr<AutogradMeta>, Tensor>> kept;
   for (auto& m : retained) {
-    kept.emplace_back(m, m->grad);
-    m->grad = Tensor();
+    kept.emplace_back(m, m->grad.get());
+    m->grad.reset();
   }
   struct Restore {  // also when a backward kernel or anomaly mode throws
     std::vector<std::pair<std::shared_ptr<AutogradMeta>, Tensor>>& kept;
@@ -496,11 +506,12 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
           detail::dispatch_float("backward", old.dtype(), [&](auto z) {
             using T = decltype(z);
             T* o = old.data<T>();
-            const T* g = m->grad.data<T>();
+            const T* g = m->grad.get().data<T>();
             for (std::int64_t i = 0; i < old.numel(); ++i) o[i] += g[i];
           });
         }
-        m->grad = old;
+        if (old.defined()) m->grad.set(old);
+        else m->grad.reset();
       }
     }
   } restore{kept};
@@ -511,7 +522,7 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   // pass 1); a leaf's or a retained gradient accumulates (so backward on a leaf, or twice with
   // keep_tape, adds up) into a buffer of its own.
   if (!rm.grad.defined() && rm.node >= 0 && !rm.retains_grad && !seed_aliased) {
-    rm.grad = seed.detach();
+    rm.grad.set(seed.detach());
   } else {
     Tensor g = rm.grad_accumulator();
     detail::dispatch_float("backward", g.dtype(), [&](auto z) {
@@ -528,15 +539,16 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   NoGradGuard no_record;  // backward kernels must not append to the tape they walk
   for (std::int64_t i = rm.node; i >= 0; --i) {
     Node& n = tp.node(static_cast<std::size_t>(i));
+    if (n.freed) continue;
     bool reached = false;
-    for (const auto& o : n.outputs) reached = reached || (o->visit == mark && o->grad.defined());
-    if (!reached || n.freed) continue;
-    for (const auto& in : n.inputs)
+    for (const auto& o : n.outputs()) reached = reached || (o->visit == mark && o->grad.defined());
+    if (!reached) continue;
+    for (const auto& in : n.inputs())
       if (in) in->visit = mark;
     n.run_backward();
     if (anomaly) detail::check_anomaly_backward(n, static_cast<std::size_t>(i));
     // An intermediate gradient is dead once its node has run: free it (PyTorch keeps only leaves').
-    for (const auto& o : n.outputs)
+    for (const auto& o : n.outputs())
       if (!o->retains_grad && o->grad.defined()) o->grad.reset();  // (often already taken by grad_dest_over)
     if (!keep_tape) tp.free_node(static_cast<std::size_t>(i));
   }

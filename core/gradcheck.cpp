@@ -79,7 +79,7 @@ GradcheckReport gradcheck(const std::function<Tensor(const std::vector<Tensor>&)
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     Tensor x = inputs[i];
     x.zero_grad();
-    if (old_grads[i].defined()) x.ensure_meta()->grad = old_grads[i];
+    if (old_grads[i].defined()) x.ensure_meta()->grad.set(old_grads[i]);
   }
   return rep;
 }

@@ -168,10 +168,10 @@ Tensor& Tensor::requires_grad_(bool on) {
 
 bool Tensor::is_leaf() const { return !meta_ || meta_->node < 0; }
 
-Tensor Tensor::grad() const { return meta_ ? meta_->grad : Tensor(); }
+Tensor Tensor::grad() const { return meta_ ? meta_->grad.get() : Tensor(); }
 
 void Tensor::zero_grad() {
-  if (meta_) meta_->grad = Tensor();
+  if (meta_) meta_->grad.reset();
 }
 
 void Tensor::retain_grad() {
@@ -198,9 +198,38 @@ std::uint64_t AutogradMeta::dot_id() {
 }
 
 Tensor& AutogradMeta::grad_accumulator() {
-  if (!grad.defined()) grad = zeros(shape, dtype);
-  return grad;
+  if (!grad.defined()) return grad.set(zeros(shape, dtype));
+  return *grad.ptr();
 }
+
+// ---- gradient slot ----
+
+namespace detail {
+
+// Constant-initialised (Tensor's default constructor is constexpr): valid before any dynamic
+// initialisation, so a slot read from another static's constructor sees it too.
+constinit const Tensor g_undefined_tensor{};
+
+Tensor& GradSlot::set(Tensor t) {
+  if (!t.defined()) fail("autograd", "internal error: an undefined tensor stored as a gradient (use reset())");
+  if (p_) {
+    *p_ = std::move(t);
+    return *p_;
+  }
+  PoolAllocator<Tensor> alloc;
+  Tensor* p = alloc.allocate(1);
+  p_ = ::new (p) Tensor(std::move(t));
+  return *p_;
+}
+
+void GradSlot::release() {
+  Tensor* p = p_;
+  p_ = nullptr;
+  p->~Tensor();
+  PoolAllocator<Tensor>().deallocate(p, 1);
+}
+
+}  // namespace detail
 
 // ---- methods that forward to ops ----
 Tensor Tensor::reshape(const Shape& s) const { return tg::reshape(*this, s); }

@@ -211,7 +211,7 @@ Tensor cat(const std::vector<Tensor>& xs, int dim) {
   }
   if (rec && grad_enabled())
     record("cat", ins, {&y}, [offsets, outer, inner, d, total = out[d]](Node& n) {
-      for (std::size_t i = 0; i < n.inputs.size(); ++i) {
+      for (std::size_t i = 0; i < n.inputs().size(); ++i) {
         Tensor dx = n.grad_in(i);
         if (!dx.defined()) continue;
         const std::int64_t nt = n.input_shape(i)[d];

@@ -62,7 +62,7 @@ TEST_CASE("set and at round-trip through every dtype") {
   }
 }
 
-TEST_CASE("copies share storage; clone and detach behave as in PyTorch") {
+TEST_CASE("copies share storage, clone and detach behave as in PyTorch") {
   Tensor a = tensor({1, 2, 3, 4}, {2, 2});
   Tensor b = a;  // handle copy
   b.set({0, 0}, 9);

@@ -77,7 +77,7 @@ TEST_CASE("a run stopped at step 100 and resumed equals one run of 200 steps, bi
   fs::remove_all(dir);
 }
 
-TEST_CASE("the same seed gives the same losses; every norm starts from the same weights", "[lm]") {
+TEST_CASE("the same seed gives the same losses, every norm starts from the same weights", "[lm]") {
   const fs::path dir = scratch("seed");
   const std::string data = make_corpus(dir);
   lm::Corpus corpus = lm::load_corpus(data, 16);

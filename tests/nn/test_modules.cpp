@@ -111,7 +111,7 @@ TEST_CASE("named_parameters uses PyTorch's dotted names in registration order") 
   CHECK(gpt.blocks->operator[](1).attn->qkv->weight.name() == "blocks.1.attn.qkv.weight");
 }
 
-TEST_CASE("train and eval propagate to children; zero_grad clears every gradient") {
+TEST_CASE("train and eval propagate to children, zero_grad clears every gradient") {
   nn::MLP mlp(4, 8, true, 0.5);
   CHECK(mlp.is_training());
   CHECK(mlp.drop->is_training());
@@ -126,7 +126,7 @@ TEST_CASE("train and eval propagate to children; zero_grad clears every gradient
   for (auto& p : mlp.parameters()) CHECK_FALSE(p.grad().defined());
 }
 
-TEST_CASE("state_dict holds parameters and buffers; load_state_dict copies values in") {
+TEST_CASE("state_dict holds parameters and buffers, load_state_dict copies values in") {
   manual_seed(4);
   nn::BatchNorm1d a(3), b(3);
   normal_(a.weight);

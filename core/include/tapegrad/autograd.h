@@ -57,12 +57,16 @@ class Arena {
 struct Node;
 
 // A node's backward closure, type-erased without std::function's heap allocation: the closure
-// object lives in the tape's arena; the node calls and destroys it.
+// object lives in the tape's arena; the node calls and destroys it through one static table per
+// closure type (two words per node, not three).
+struct BackwardOps {
+  void (*call)(void*, Node&);
+  void (*destroy)(void*);  // null for a trivially destructible closure
+};
 struct BackwardFn {
   void* obj = nullptr;
-  void (*call)(void*, Node&) = nullptr;
-  void (*destroy)(void*) = nullptr;
-  explicit operator bool() const { return call != nullptr; }
+  const BackwardOps* ops = nullptr;
+  explicit operator bool() const { return ops != nullptr; }
 };
 
 // Where a backward kernel writes input i's gradient. The first gradient to reach a tensor in a
@@ -115,23 +119,46 @@ class NodeArray {
   std::size_t n_ = 0;
 };
 
+// A view of one of a node's arrays.
+template <class T>
+struct NodeSpan {
+  T* p;
+  std::size_t n;
+  T* begin() const { return p; }
+  T* end() const { return p + n; }
+  std::size_t size() const { return n; }
+  bool empty() const { return n == 0; }
+  T& operator[](std::size_t i) const { return p[i]; }
+};
+
 struct Node {
   Node() = default;
   Node(Node&& o) noexcept;
   Node& operator=(Node&&) = delete;
   Node(const Node&) = delete;
-  ~Node() { release_backward(); }
+  ~Node() {
+    if (!freed) release();
+  }
 
   const char* op = "";                                // static string naming the op
-  NodeArray<std::shared_ptr<AutogradMeta>> inputs;    // null where an input needs no gradient
-  NodeArray<std::shared_ptr<AutogradMeta>> outputs;
-  // The shapes of the inputs that need no gradient, in input order (for printing and error
-  // messages; the others' shapes are in their autograd slots): see input_shape().
-  NodeArray<Shape> other_shapes;
-  std::uint64_t undefined_inputs = 0;                 // bit i: input i was an undefined tensor (optional)
   NodeArray<Tensor> saved;                            // what backward reads (activations)
-  BackwardFn backward;
+  // The node's other arrays follow the saved tensors in the same arena block (see record_node):
+  // 72 bytes a node instead of four (pointer, length) pairs.
+  //   inputs():  one autograd slot per input, null where an input needs no gradient
+  //   outputs(): the outputs' slots
+  //   other_shapes(): the shapes of the inputs that need no gradient, in input order (for printing
+  //                   and error messages; the others' shapes are in their slots): see input_shape().
+  std::shared_ptr<AutogradMeta>* inputs_ = nullptr;
+  std::uint32_t n_in = 0;
+  std::uint32_t n_other = 0;
+  std::uint32_t n_out = 0;
   bool freed = false;                                 // consumed by a backward, or unreachable
+  std::uint64_t undefined_inputs = 0;                 // bit i: input i was an undefined tensor (optional)
+  BackwardFn backward;
+
+  NodeSpan<std::shared_ptr<AutogradMeta>> inputs() const { return {inputs_, n_in}; }
+  NodeSpan<std::shared_ptr<AutogradMeta>> outputs() const { return {inputs_ + n_in, n_out}; }
+  NodeSpan<Shape> other_shapes() const { return {reinterpret_cast<Shape*>(inputs_ + n_in + n_out), n_other}; }
 
   // The gradient flowing into output i (undefined if nothing downstream reached it).
   const Tensor& grad_out(std::size_t i = 0) const;
@@ -145,20 +172,23 @@ struct Node {
   // The same, for an elementwise kernel that reads dy[k] before it writes dx[k]: when input i has
   // no gradient yet and output j's incoming gradient is held by nothing else (not retained, not
   // shared with the caller), that buffer becomes input i's gradient and the kernel writes over it
-  // in place, saving a buffer per op. Afterwards grad_out(j) is undefined: read its data pointer
-  // first.
+  // in place, saving a buffer per op. (grad_out(j) then still names the same tensor, now input
+  // i's gradient: read its data before writing dx.)
   GradDest grad_dest_over(std::size_t i, std::size_t j = 0) const;
-  bool needs_grad(std::size_t i) const { return i < inputs.size() && inputs[i] != nullptr; }
+  bool needs_grad(std::size_t i) const { return i < n_in && inputs_[i] != nullptr; }
   // Input i's autograd slot is also another input's (x * x).
   bool input_repeated(std::size_t i) const;
   // Input i's shape as recorded (not available once the node is freed).
   const Shape& input_shape(std::size_t i) const;
   std::size_t bytes_saved() const;
-  void run_backward() { backward.call(backward.obj, *this); }
+  void run_backward() { backward.ops->call(backward.obj, *this); }
   void release_backward() {
-    if (backward.destroy) backward.destroy(backward.obj);
+    if (backward.ops && backward.ops->destroy) backward.ops->destroy(backward.obj);
     backward = BackwardFn{};  // the closure's memory belongs to the arena
   }
+  // Destroys the saved tensors, the closure and the slots (the memory goes back with the arena),
+  // leaving the arrays empty; the caller marks the node freed.
+  void release();
 };
 
 class Tape {
@@ -247,14 +277,18 @@ inline bool anomaly_enabled() { return t_anomaly; }
 void note_retain_grad();
 bool retain_grad_used();
 
+template <class Fn>
+inline constexpr BackwardOps kBackwardOps{
+    [](void* p, Node& n) { (*static_cast<Fn*>(p))(n); },
+    std::is_trivially_destructible_v<Fn> ? nullptr : +[](void* p) { static_cast<Fn*>(p)->~Fn(); }};
+
 template <class F>
 Node& record_with(const char* op, const Tensor* const* in, std::size_t n_in, Tensor* const* out, std::size_t n_out,
                   F&& backward, const Tensor* saved, std::size_t n_saved) {
   using Fn = std::decay_t<F>;
   Node& node = record_node(op, in, n_in, out, n_out, saved, n_saved, sizeof(Fn), alignof(Fn));
   node.backward.obj = ::new (node.backward.obj) Fn(std::forward<F>(backward));
-  node.backward.call = [](void* p, Node& n) { (*static_cast<Fn*>(p))(n); };
-  if constexpr (!std::is_trivially_destructible_v<Fn>) node.backward.destroy = [](void* p) { static_cast<Fn*>(p)->~Fn(); };
+  node.backward.ops = &kBackwardOps<Fn>;
   if (anomaly_enabled()) check_anomaly_outputs(op, tape_size() - 1, node, out, n_out, in, n_in);
   return node;
 }
