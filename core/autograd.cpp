@@ -172,7 +172,7 @@ Tape& tape() {
 Tape::~Tape() { nodes_.clear(); }
 
 Node& Tape::push() {
-  if (nodes_.size() >= next_sweep_) sweep();
+  if (nodes_.size() >= next_sweep_ || saved_since_sweep_ >= kSweepBytes) sweep();
   nodes_.emplace_back();
   ++live_;
   return nodes_.back();
@@ -183,6 +183,7 @@ void Tape::clear() {
   arena_.reset();
   live_ = 0;
   next_sweep_ = kFirstSweep;
+  saved_since_sweep_ = 0;
   ++generation_;
 }
 
@@ -201,6 +202,7 @@ void Tape::sweep() {
   // autograd slots is the node itself. Freeing it drops its references to its inputs, which may
   // make an earlier node unreachable in turn.
   const std::size_t live_before = live_;
+  saved_since_sweep_ = 0;
   for (std::size_t i = nodes_.size(); i-- > 0;) {
     Node& n = nodes_[i];
     if (n.freed) continue;
@@ -210,7 +212,9 @@ void Tape::sweep() {
   }
   // The next sweep when the tape has doubled, or quadrupled if this one freed under a quarter of
   // the nodes (a long graph that is still in use: sweeping it again soon would find nothing).
-  // Either way the sweeps cost O(1) per recorded node, amortised.
+  // Either way the sweeps cost O(1) per recorded node, amortised. (The byte trigger adds at most
+  // one pass over the tape per kSweepBytes of saved activations, which took far longer to
+  // compute than the pass takes.)
   if (live_ == 0) clear();
   else next_sweep_ = std::max(kFirstSweep, (4 * (live_before - live_) < live_before ? 4 : 2) * nodes_.size());
 }
@@ -311,7 +315,12 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
     }
     if (!t->defined() && i < 64) undefined |= std::uint64_t(1) << i;
   }
-  for (std::size_t i = 0; i < n_saved; ++i) ::new (sv + i) Tensor(saved[i]);
+  std::size_t saved_bytes = 0;
+  for (std::size_t i = 0; i < n_saved; ++i) {
+    ::new (sv + i) Tensor(saved[i]);
+    saved_bytes += saved[i].defined() ? saved[i].nbytes() : 0;
+  }
+  tp.note_saved(saved_bytes);
   const auto index = static_cast<std::int64_t>(tp.size()) - 1;
   for (std::size_t i = 0; i < n_out; ++i) {
     auto& m = outputs[i]->ensure_meta();

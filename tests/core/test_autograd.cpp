@@ -1,4 +1,5 @@
 // The tape: recording, reverse walk, accumulation, freeing, no_grad, errors, printing.
+#include <algorithm>
 #include <sstream>
 
 #include "helpers.h"
@@ -230,6 +231,27 @@ TEST_CASE("graphs nobody can reach are swept as the tape grows") {
   CHECK(tape().live() < 40000);
   sum(keep).backward();  // the kept graph survived every sweep
   CHECK(w.grad().item() == 5.0);
+  tape().clear();
+}
+
+TEST_CASE("forward passes made without NoGradGuard do not pile up their saved activations") {
+  // Each exp saves its 4 MiB output and is dropped at once, as an evaluation loop that forgot
+  // NoGradGuard drops its logits: 100 of them save 400 MiB, and the node count (100) is far below
+  // the count that sweeps. The byte trigger sweeps every kSweepBytes instead.
+  tape().clear();
+  Tensor x = randn({1 << 20}).requires_grad_();
+  std::size_t most = 0;
+  for (int i = 0; i < 100; ++i) {
+    Tensor y = exp(x);
+    most = std::max(most, tape().bytes_saved());
+  }
+  CHECK(most <= Tape::kSweepBytes + (std::size_t(4) << 20));
+  CHECK(tape().bytes_saved() < Tape::kSweepBytes);
+  // A graph still in use survives those sweeps.
+  Tensor keep = exp(x);
+  for (int i = 0; i < 100; ++i) (void)exp(x);
+  sum(keep).backward();
+  CHECK(x.grad().at({0}) == Approx(std::exp(x.at({0}))));
   tape().clear();
 }
 
