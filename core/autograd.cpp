@@ -79,7 +79,6 @@ void* Arena::allocate_slow(std::size_t bytes, std::size_t align) {
 Node::Node(Node&& o) noexcept
     : op(o.op),
       saved(std::move(o.saved)),
-      inputs_(o.inputs_),
       n_in(o.n_in),
       n_other(o.n_other),
       n_out(o.n_out),
@@ -92,42 +91,42 @@ Node::Node(Node&& o) noexcept
 
 void Node::release() {
   static_assert(std::is_trivially_destructible_v<Shape>, "other_shapes are not destroyed one by one");
+  Slot* slot = slots();  // before saved.destroy(), which forgets where the slots start
+  for (std::uint32_t i = 0; i < n_in + n_out; ++i) slot[i].~Slot();
   saved.destroy();
   release_backward();
-  for (auto& m : inputs()) m.~shared_ptr();
-  for (auto& m : outputs()) m.~shared_ptr();
   n_in = n_out = n_other = 0;  // a freed node's arrays read as empty
 }
 
 const Tensor& Node::grad_out(std::size_t i) const { return outputs()[i]->grad.get(); }
 
 const Shape& Node::input_shape(std::size_t i) const {
-  if (inputs_[i]) return inputs_[i]->shape;
+  if (slots()[i]) return slots()[i]->shape;
   std::size_t k = 0;  // the number of inputs before i that have no autograd slot
-  for (std::size_t j = 0; j < i; ++j) k += inputs_[j] ? 0 : 1;
+  for (std::size_t j = 0; j < i; ++j) k += slots()[j] ? 0 : 1;
   return other_shapes()[k];
 }
 
 Tensor Node::grad_in(std::size_t i) const {
   if (!needs_grad(i)) return Tensor();
-  return inputs_[i]->grad_accumulator();
+  return slots()[i]->grad_accumulator();
 }
 
 bool Node::input_repeated(std::size_t i) const {
   for (std::size_t j = 0; j < n_in; ++j)
-    if (j != i && inputs_[j] == inputs_[i]) return true;
+    if (j != i && slots()[j] == slots()[i]) return true;
   return false;
 }
 
 GradDest Node::grad_add(std::size_t i) const {
   if (!needs_grad(i)) return GradDest{};
-  return GradDest{&inputs_[i]->grad_accumulator(), true};
+  return GradDest{&slots()[i]->grad_accumulator(), true};
 }
 
 GradDest Node::grad_dest(std::size_t i) const {
   GradDest d;
   if (!needs_grad(i)) return d;
-  AutogradMeta& m = *inputs_[i];
+  AutogradMeta& m = *slots()[i];
   // The same tensor passed as two inputs (x * x): both writes add into one zero-filled buffer, so
   // the kernel's order of writing them does not matter.
   if (m.grad.defined() || input_repeated(i)) {
@@ -142,7 +141,7 @@ GradDest Node::grad_dest(std::size_t i) const {
 
 GradDest Node::grad_dest_over(std::size_t i, std::size_t j) const {
   if (needs_grad(i)) {
-    AutogradMeta& m = *inputs_[i];
+    AutogradMeta& m = *slots()[i];
     AutogradMeta& o = *outputs()[j];
     const Tensor& og = o.grad.get();
     if (!m.grad.defined() && !input_repeated(i) && !o.retains_grad && og.sole_owner() && og.dtype() == m.dtype &&
@@ -172,7 +171,7 @@ Tape& tape() {
 Tape::~Tape() { nodes_.clear(); }
 
 Node& Tape::push() {
-  if (nodes_.size() >= next_sweep_ || saved_since_sweep_ >= kSweepBytes) sweep();
+  if (nodes_.size() >= next_sweep_ || saved_live_ >= next_sweep_bytes_) sweep();
   nodes_.emplace_back();
   ++live_;
   return nodes_.back();
@@ -183,7 +182,8 @@ void Tape::clear() {
   arena_.reset();
   live_ = 0;
   next_sweep_ = kFirstSweep;
-  saved_since_sweep_ = 0;
+  saved_live_ = 0;
+  next_sweep_bytes_ = kSweepBytes;
   ++generation_;
 }
 
@@ -191,9 +191,15 @@ void Tape::free_node(std::size_t i) {
   Node& n = nodes_[i];
   if (n.freed) return;
   n.freed = true;
+  saved_live_ -= std::min(saved_live_, n.bytes_saved());
   // The outputs' slots go too, while the walk has them in cache (not in a later pass of clear()).
   // A freed node is found from its outputs' side instead: their slots keep the node's index.
   n.release();
+  --live_;
+}
+
+void Tape::discard_last() {
+  nodes_.pop_back();
   --live_;
 }
 
@@ -202,7 +208,6 @@ void Tape::sweep() {
   // autograd slots is the node itself. Freeing it drops its references to its inputs, which may
   // make an earlier node unreachable in turn.
   const std::size_t live_before = live_;
-  saved_since_sweep_ = 0;
   for (std::size_t i = nodes_.size(); i-- > 0;) {
     Node& n = nodes_[i];
     if (n.freed) continue;
@@ -212,11 +217,13 @@ void Tape::sweep() {
   }
   // The next sweep when the tape has doubled, or quadrupled if this one freed under a quarter of
   // the nodes (a long graph that is still in use: sweeping it again soon would find nothing).
-  // Either way the sweeps cost O(1) per recorded node, amortised. (The byte trigger adds at most
-  // one pass over the tape per kSweepBytes of saved activations, which took far longer to
-  // compute than the pass takes.)
+  // Either way the sweeps cost O(1) per recorded node, amortised. The byte trigger waits until
+  // what is saved has doubled since this sweep: geometric too.
   if (live_ == 0) clear();
-  else next_sweep_ = std::max(kFirstSweep, (4 * (live_before - live_) < live_before ? 4 : 2) * nodes_.size());
+  else {
+    next_sweep_ = std::max(kFirstSweep, (4 * (live_before - live_) < live_before ? 4 : 2) * nodes_.size());
+    next_sweep_bytes_ = std::max(kSweepBytes, 2 * saved_live_);
+  }
 }
 
 std::size_t Tape::bytes_saved() const {
@@ -291,6 +298,12 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
   using Meta = std::shared_ptr<AutogradMeta>;
   static_assert(alignof(Meta) <= alignof(Tensor) && alignof(Shape) <= alignof(Tensor));
   Tape& tp = tape();
+  // What can throw comes before anything is recorded: the outputs' slots, then the node (push may
+  // sweep, and a sweep that empties the tape resets the arena: so before the arena allocation),
+  // then the arena block, whose failure takes the still empty node back off the tape. The rest
+  // only copies handles and cannot throw.
+  if (n_in > UINT32_MAX || n_out > UINT32_MAX) fail(op, "too many inputs or outputs to record (", n_in, ", ", n_out, ")");
+  for (std::size_t i = 0; i < n_out; ++i) outputs[i]->ensure_meta();
   Node& n = tp.push();
   // One arena allocation for the four arrays and the closure: saved tensors first (the strictest
   // alignment of the arrays), the closure last. Shapes are kept only for inputs without an
@@ -299,7 +312,13 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
   for (std::size_t i = 0; i < n_in; ++i) n_other += inputs[i]->requires_grad() ? 0 : 1;
   const std::size_t arrays = n_saved * sizeof(Tensor) + (n_in + n_out) * sizeof(Meta) + n_other * sizeof(Shape);
   const std::size_t closure_at = (arrays + closure_align - 1) & ~(closure_align - 1);  // alignments are powers of two
-  char* mem = static_cast<char*>(tp.arena().allocate(closure_at + closure_bytes, std::max(alignof(Tensor), closure_align)));
+  char* mem = nullptr;
+  try {
+    mem = static_cast<char*>(tp.arena().allocate(closure_at + closure_bytes, std::max(alignof(Tensor), closure_align)));
+  } catch (...) {
+    tp.discard_last();
+    throw;
+  }
   auto* sv = reinterpret_cast<Tensor*>(mem);
   auto* in = reinterpret_cast<Meta*>(mem + n_saved * sizeof(Tensor));
   auto* out = in + n_in;
@@ -323,15 +342,14 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
   tp.note_saved(saved_bytes);
   const auto index = static_cast<std::int64_t>(tp.size()) - 1;
   for (std::size_t i = 0; i < n_out; ++i) {
-    auto& m = outputs[i]->ensure_meta();
+    const auto& m = outputs[i]->meta();
     m->requires_grad = true;
     m->node = index;
     m->generation = tp.generation();
     ::new (out + i) Meta(m);
   }
   n.op = op;
-  n.saved = NodeArray<Tensor>(sv, n_saved);
-  n.inputs_ = in;
+  n.saved = NodeArray<Tensor>(sv, n_saved);  // the slots follow: Node::slots() finds them from here
   n.n_in = static_cast<std::uint32_t>(n_in);
   n.n_out = static_cast<std::uint32_t>(n_out);
   n.n_other = static_cast<std::uint32_t>(n_other);
@@ -502,25 +520,25 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
         }
     }
   }
-  std::vector<std::pair<std::shared_ptr<AutogradMeta>, Tensor>> kept;
-  for (auto& m : retained) {
-    kept.emplace_back(m, m->grad.get());
-    m->grad.reset();
-  }
+  // The retained gradients' slots are moved aside and moved back: nothing to allocate in the
+  // destructor below (reserve first, so no emplace_back can throw after a slot has moved).
+  std::vector<std::pair<std::shared_ptr<AutogradMeta>, detail::GradSlot>> kept;
+  kept.reserve(retained.size());
+  for (auto& m : retained) kept.emplace_back(m, std::move(m->grad));
   struct Restore {  // also when a backward kernel or anomaly mode throws
-    std::vector<std::pair<std::shared_ptr<AutogradMeta>, Tensor>>& kept;
+    std::vector<std::pair<std::shared_ptr<AutogradMeta>, detail::GradSlot>>& kept;
     ~Restore() {
       for (auto& [m, old] : kept) {
         if (m->grad.defined()) {
-          detail::dispatch_float("backward", old.dtype(), [&](auto z) {
+          Tensor& o = *old.ptr();  // defined: only slots that held a gradient were set aside
+          detail::dispatch_float("backward", o.dtype(), [&](auto z) {
             using T = decltype(z);
-            T* o = old.data<T>();
+            T* op = o.data<T>();
             const T* g = m->grad.get().data<T>();
-            for (std::int64_t i = 0; i < old.numel(); ++i) o[i] += g[i];
+            for (std::int64_t i = 0; i < o.numel(); ++i) op[i] += g[i];
           });
         }
-        if (old.defined()) m->grad.set(old);
-        else m->grad.reset();
+        m->grad = std::move(old);
       }
     }
   } restore{kept};

@@ -82,9 +82,9 @@ struct GradDest {
   template <class T> T* ptr() { return buf ? buf->data<T>() : nullptr; }
 };
 
-// A node's array of inputs, outputs, shapes or saved tensors: its length is known when the node is
-// recorded, so it is carved once from the tape's arena; destroy() runs the elements' destructors
-// (the memory goes back with the arena).
+// A node's saved tensors: their number is known when the node is recorded, so they are carved
+// once from the tape's arena; destroy() runs the elements' destructors (the memory goes back with
+// the arena).
 template <class T>
 class NodeArray {
  public:
@@ -140,15 +140,15 @@ struct Node {
     if (!freed) release();
   }
 
+  using Slot = std::shared_ptr<AutogradMeta>;
   const char* op = "";                                // static string naming the op
   NodeArray<Tensor> saved;                            // what backward reads (activations)
-  // The node's other arrays follow the saved tensors in the same arena block (see record_node):
-  // 72 bytes a node instead of four (pointer, length) pairs.
+  // The node's other arrays follow the saved tensors in the same arena block (see record_node), so
+  // three counts describe them and a node is 64 bytes, one cache line:
   //   inputs():  one autograd slot per input, null where an input needs no gradient
   //   outputs(): the outputs' slots
   //   other_shapes(): the shapes of the inputs that need no gradient, in input order (for printing
   //                   and error messages; the others' shapes are in their slots): see input_shape().
-  std::shared_ptr<AutogradMeta>* inputs_ = nullptr;
   std::uint32_t n_in = 0;
   std::uint32_t n_other = 0;
   std::uint32_t n_out = 0;
@@ -156,9 +156,9 @@ struct Node {
   std::uint64_t undefined_inputs = 0;                 // bit i: input i was an undefined tensor (optional)
   BackwardFn backward;
 
-  NodeSpan<std::shared_ptr<AutogradMeta>> inputs() const { return {inputs_, n_in}; }
-  NodeSpan<std::shared_ptr<AutogradMeta>> outputs() const { return {inputs_ + n_in, n_out}; }
-  NodeSpan<Shape> other_shapes() const { return {reinterpret_cast<Shape*>(inputs_ + n_in + n_out), n_other}; }
+  NodeSpan<const Slot> inputs() const { return {slots(), n_in}; }
+  NodeSpan<const Slot> outputs() const { return {slots() + n_in, n_out}; }
+  NodeSpan<const Shape> other_shapes() const { return {reinterpret_cast<const Shape*>(slots() + n_in + n_out), n_other}; }
 
   // The gradient flowing into output i (undefined if nothing downstream reached it).
   const Tensor& grad_out(std::size_t i = 0) const;
@@ -172,10 +172,11 @@ struct Node {
   // The same, for an elementwise kernel that reads dy[k] before it writes dx[k]: when input i has
   // no gradient yet and output j's incoming gradient is held by nothing else (not retained, not
   // shared with the caller), that buffer becomes input i's gradient and the kernel writes over it
-  // in place, saving a buffer per op. (grad_out(j) then still names the same tensor, now input
-  // i's gradient: read its data before writing dx.)
+  // in place, saving a buffer per op. A grad_out(j) reference taken before the call then names
+  // input i's gradient (its shape too; read its data before writing dx); grad_out(j) called
+  // afterwards is undefined.
   GradDest grad_dest_over(std::size_t i, std::size_t j = 0) const;
-  bool needs_grad(std::size_t i) const { return i < n_in && inputs_[i] != nullptr; }
+  bool needs_grad(std::size_t i) const { return i < n_in && slots()[i] != nullptr; }
   // Input i's autograd slot is also another input's (x * x).
   bool input_repeated(std::size_t i) const;
   // Input i's shape as recorded (not available once the node is freed).
@@ -189,6 +190,12 @@ struct Node {
   // Destroys the saved tensors, the closure and the slots (the memory goes back with the arena),
   // leaving the arrays empty; the caller marks the node freed.
   void release();
+
+ private:
+  // The first slot: right after the saved tensors (valid while saved holds its recorded count).
+  Slot* slots() const {
+    return reinterpret_cast<Slot*>(reinterpret_cast<char*>(const_cast<Tensor*>(saved.begin())) + saved.size() * sizeof(Tensor));
+  }
 };
 
 class Tape {
@@ -212,18 +219,22 @@ class Tape {
 
   // A new node at the end of the tape, its arrays in the tape's arena.
   Node& push();
-  // Counts bytes a new node saved for its backward, towards the next sweep (see kSweepBytes).
-  void note_saved(std::size_t bytes) { saved_since_sweep_ += bytes; }
+  // Counts bytes a new node saved for its backward (see kSweepBytes).
+  void note_saved(std::size_t bytes) { saved_live_ += bytes; }
   Node& node(std::size_t i) { return nodes_[i]; }
   detail::Arena& arena() { return arena_; }
-  // Releases node i's saved tensors, closure and input references.
+  // Releases node i's saved tensors, closure, input references and output slots.
   void free_node(std::size_t i);
+  // Removes the last node, which holds nothing yet: a recording whose allocation failed.
+  void discard_last();
   // Frees every live node whose outputs no tensor and no later node refers to; empties the tape
   // when nothing is left. Runs automatically as the tape grows: when its node count has doubled
-  // (or quadrupled, see sweep()) since the last sweep, and whenever the nodes recorded since then
-  // saved kSweepBytes for their backward. The second trigger bounds what forward passes made for
-  // evaluation without a NoGradGuard can hold: the default GPT's forward saves 28 MB in 45 nodes,
-  // so a node count alone let 360 of them pile up (10 GB) before the first sweep.
+  // (or quadrupled, see sweep()) since the last sweep, and when the bytes of the tensors saved by
+  // live nodes (counted per node) reach kSweepBytes, or twice what the last sweep left if that was
+  // more. The second trigger bounds what forward passes made for evaluation without a NoGradGuard
+  // hold: the default GPT's forward saves 28 MB in 45 nodes, so a node count alone let 360 of them
+  // pile up (10 GB) before the first sweep. A training loop frees its nodes in each backward and
+  // never reaches it.
   void sweep();
   static constexpr std::size_t kSweepBytes = std::size_t(256) << 20;
 
@@ -233,7 +244,8 @@ class Tape {
   std::uint64_t generation_ = 1;
   std::size_t live_ = 0;
   std::size_t next_sweep_ = kFirstSweep;
-  std::size_t saved_since_sweep_ = 0;  // bytes saved by the nodes recorded since the last sweep
+  std::size_t saved_live_ = 0;  // bytes of the tensors the live nodes saved (counted per node)
+  std::size_t next_sweep_bytes_ = kSweepBytes;
   static constexpr std::size_t kFirstSweep = 1 << 14;
 };
 
@@ -295,7 +307,12 @@ Node& record_with(const char* op, const Tensor* const* in, std::size_t n_in, Ten
                   F&& backward, const Tensor* saved, std::size_t n_saved) {
   using Fn = std::decay_t<F>;
   Node& node = record_node(op, in, n_in, out, n_out, saved, n_saved, sizeof(Fn), alignof(Fn));
-  node.backward.obj = ::new (node.backward.obj) Fn(std::forward<F>(backward));
+  try {
+    node.backward.obj = ::new (node.backward.obj) Fn(std::forward<F>(backward));
+  } catch (...) {  // the op throws and its outputs are never seen: leave no half-made node live
+    tape().free_node(tape_size() - 1);
+    throw;
+  }
   node.backward.ops = &kBackwardOps<Fn>;
   if (anomaly_enabled()) check_anomaly_outputs(op, tape_size() - 1, node, out, n_out, in, n_in);
   return node;

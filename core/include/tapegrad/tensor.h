@@ -125,7 +125,7 @@ namespace detail {
 // A gradient held out of line by its autograd slot: a pointer to a Tensor (from a per-thread
 // pool of Tensor-sized blocks, see core/tensor.cpp), null when there is no gradient. A recorded
 // op's slot lives until its node is freed, and most never hold a gradient outside a backward pass,
-// so keeping the 112-byte Tensor out of the slot halves the slot (248 -> 144 bytes with its
+// so keeping the 112-byte Tensor out of the slot shrinks it from 248 to 144 bytes (with its
 // reference counts) and the memory a long graph walks. Moving a GradSlot moves the pointer: a
 // gradient handed from an op's output to its input (Node::grad_dest_over) copies nothing.
 class GradSlot {
