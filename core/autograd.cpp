@@ -240,14 +240,16 @@ void Tape::print(std::ostream& os) const {
     std::ostringstream line;
     line << std::setw(4) << i << "  " << std::left << std::setw(22) << n.op << std::right;
     bool first = true;
-    for (std::size_t k = 0; k < n.inputs().size(); ++k) {
+    const auto ins = n.inputs();
+    for (std::size_t k = 0; k < ins.size(); ++k) {
       if (k < 64 && (n.undefined_inputs >> k & 1)) continue;  // an absent optional input (e.g. no bias)
       line << (first ? "" : ", ") << n.input_shape(k);
       first = false;
-      if (n.needs_grad(k) && n.inputs()[k]->name && !n.inputs()[k]->name->empty()) line << ' ' << *n.inputs()[k]->name;
+      if (ins[k] && ins[k]->name && !ins[k]->name->empty()) line << ' ' << *ins[k]->name;
     }
     line << " -> ";
-    for (std::size_t k = 0; k < n.outputs().size(); ++k) line << (k ? ", " : "") << n.outputs()[k]->shape;
+    const auto outs = n.outputs();
+    for (std::size_t k = 0; k < outs.size(); ++k) line << (k ? ", " : "") << outs[k]->shape;
     line << "   saved " << human_bytes(n.bytes_saved());
     os << line.str() << '\n';
   }
@@ -269,10 +271,10 @@ std::string Tape::to_dot() const {
     if (n.freed) continue;
     s << "  op" << i << " [shape=box, style=filled, fillcolor=\"#f6e7c1\", label=\"#" << i << ' ' << n.op
       << "\\nsaved " << human_bytes(n.bytes_saved()) << "\"];\n";
-    for (std::size_t k = 0; k < n.inputs().size(); ++k) {
-      if (!n.inputs()[k]) continue;
-      tensor_node(*n.inputs()[k], n.inputs()[k]->node < 0);
-      s << "  t" << n.inputs()[k]->dot_id() << " -> op" << i << ";\n";
+    for (const auto& in : n.inputs()) {
+      if (!in) continue;
+      tensor_node(*in, in->node < 0);
+      s << "  t" << in->dot_id() << " -> op" << i << ";\n";
     }
     for (const auto& o : n.outputs()) {
       tensor_node(*o, false);
@@ -334,12 +336,7 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
     }
     if (!t->defined() && i < 64) undefined |= std::uint64_t(1) << i;
   }
-  std::size_t saved_bytes = 0;
-  for (std::size_t i = 0; i < n_saved; ++i) {
-    ::new (sv + i) Tensor(saved[i]);
-    saved_bytes += saved[i].defined() ? saved[i].nbytes() : 0;
-  }
-  tp.note_saved(saved_bytes);
+  for (std::size_t i = 0; i < n_saved; ++i) ::new (sv + i) Tensor(saved[i]);
   const auto index = static_cast<std::int64_t>(tp.size()) - 1;
   for (std::size_t i = 0; i < n_out; ++i) {
     const auto& m = outputs[i]->meta();
@@ -350,6 +347,7 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
   }
   n.op = op;
   n.saved = NodeArray<Tensor>(sv, n_saved);  // the slots follow: Node::slots() finds them from here
+  tp.note_saved(n.bytes_saved());  // free_node takes the same count back
   n.n_in = static_cast<std::uint32_t>(n_in);
   n.n_out = static_cast<std::uint32_t>(n_out);
   n.n_other = static_cast<std::uint32_t>(n_other);
@@ -432,21 +430,25 @@ void check_anomaly_outputs(const char* op, std::size_t index, const Node& n, con
 }
 
 void check_anomaly_backward(const Node& n, std::size_t index) {
-  for (std::size_t k = 0; k < n.inputs().size(); ++k) {
-    if (!n.inputs()[k]) continue;
-    const std::int64_t at = first_nonfinite(n.inputs()[k]->grad.get());
+  const auto ins = n.inputs();
+  const auto outs = n.outputs();
+  for (std::size_t k = 0; k < ins.size(); ++k) {
+    if (!ins[k]) continue;
+    const Tensor& g = ins[k]->grad.get();
+    const std::int64_t at = first_nonfinite(g);
     if (at < 0) continue;
     std::ostringstream up;
     bool up_bad = false;
-    for (std::size_t j = 0; j < n.outputs().size(); ++j) {
-      const std::int64_t ja = first_nonfinite(n.outputs()[j]->grad.get());
+    for (std::size_t j = 0; j < outs.size(); ++j) {
+      const Tensor& dy = outs[j]->grad.get();
+      const std::int64_t ja = first_nonfinite(dy);
       if (ja >= 0) {
-        up << "; the upstream gradient of output " << j << " already had " << describe(n.outputs()[j]->grad.get(), ja);
+        up << "; the upstream gradient of output " << j << " already had " << describe(dy, ja);
         up_bad = true;
       }
     }
     fail("anomaly", "backward of op '", n.op, "' (tape node ", index, ", shapes ", shapes_of(n), ") produced ",
-         describe(n.inputs()[k]->grad.get(), at), " in the gradient of input ", k,
+         describe(g, at), " in the gradient of input ", k,
          up_bad ? up.str() : std::string("; the upstream gradient was finite"));
   }
 }
