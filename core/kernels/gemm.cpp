@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "kernels/parallel.h"
+#include "kernels/sgemm_avx2.h"
 
 namespace tg::kernels {
 
@@ -14,7 +15,7 @@ namespace {
 CBLAS_TRANSPOSE tr(bool t) { return t ? CblasTrans : CblasNoTrans; }
 blasint bi(std::int64_t v) { return static_cast<blasint>(v); }
 
-void blas(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, const float* A, std::int64_t lda,
+[[maybe_unused]] void blas(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, const float* A, std::int64_t lda,
           const float* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc) {
   cblas_sgemm(CblasRowMajor, tr(ta), tr(tb), bi(M), bi(N), bi(K), alpha, A, bi(lda), B, bi(ldb), beta, C, bi(ldc));
 }
@@ -34,6 +35,21 @@ T zero_c(T beta, std::int64_t M, std::int64_t N, T* C, std::int64_t ldc) {
   else
     for (std::int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<std::size_t>(N) * sizeof(T));
   return T(1);
+}
+
+// One single-threaded product: float32 through our own kernel where the build has AVX2 + FMA
+// (sgemm_avx2.h says why), everything else through OpenBLAS with the zero fill above.
+void product(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, const float* A,
+             std::int64_t lda, const float* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc) {
+#ifdef TG_SGEMM_AVX2
+  sgemm_avx2::sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+#else
+  blas(ta, tb, M, N, K, alpha, A, lda, B, ldb, zero_c(beta, M, N, C, ldc), C, ldc);
+#endif
+}
+void product(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, double alpha, const double* A,
+             std::int64_t lda, const double* B, std::int64_t ldb, double beta, double* C, std::int64_t ldc) {
+  blas(ta, tb, M, N, K, alpha, A, lda, B, ldb, zero_c(beta, M, N, C, ldc), C, ldc);
 }
 
 // Start of thread t's block when [0, D) is cut into nt parts at multiples of 16 (the width of the
@@ -65,19 +81,19 @@ void gemm_block(const Gemm<T>& g, int t, int nt) {
   if (lo >= hi) return;
   if (by_rows) {  // rows [lo, hi) of C need rows [lo, hi) of op(A)
     T* Cb = g.C + lo * g.ldc;
-    blas(g.ta, g.tb, hi - lo, g.N, g.K, g.alpha, g.ta ? g.A + lo : g.A + lo * g.lda, g.lda, g.B, g.ldb,
-         zero_c(g.beta, hi - lo, g.N, Cb, g.ldc), Cb, g.ldc);
+    product(g.ta, g.tb, hi - lo, g.N, g.K, g.alpha, g.ta ? g.A + lo : g.A + lo * g.lda, g.lda, g.B, g.ldb, g.beta, Cb,
+            g.ldc);
   } else {  // columns [lo, hi) of C need columns [lo, hi) of op(B)
     T* Cb = g.C + lo;
-    blas(g.ta, g.tb, g.M, hi - lo, g.K, g.alpha, g.A, g.lda, g.tb ? g.B + lo * g.ldb : g.B + lo, g.ldb,
-         zero_c(g.beta, g.M, hi - lo, Cb, g.ldc), Cb, g.ldc);
+    product(g.ta, g.tb, g.M, hi - lo, g.K, g.alpha, g.A, g.lda, g.tb ? g.B + lo * g.ldb : g.B + lo, g.ldb, g.beta, Cb,
+            g.ldc);
   }
 }
 template <class T>
 void run(const Gemm<T>& g) {
   if (g.M <= 0 || g.N <= 0) return;
   if (!split_worth(g)) {  // one thread; OpenBLAS may still split a large call
-    blas(g.ta, g.tb, g.M, g.N, g.K, g.alpha, g.A, g.lda, g.B, g.ldb, zero_c(g.beta, g.M, g.N, g.C, g.ldc), g.C, g.ldc);
+    product(g.ta, g.tb, g.M, g.N, g.K, g.alpha, g.A, g.lda, g.B, g.ldb, g.beta, g.C, g.ldc);
     return;
   }
 #pragma omp parallel

@@ -1,5 +1,7 @@
 // matmul: the BLAS path against the naive reference, every transpose and batch layout, gradients.
+#include <cmath>
 #include <limits>
+#include <vector>
 
 #include "helpers.h"
 #include "kernels/gemm.h"
@@ -109,6 +111,68 @@ TEST_CASE("gemm split across threads (by rows or by columns) matches the naive r
           }
         }
   }
+  set_num_threads(before);
+}
+
+TEST_CASE("float32 gemm on one thread matches the naive reference at every tile, block and panel edge") {
+  // On AVX2 builds this is our own product (kernels/sgemm_avx2.h): 6 x 16 tiles of C, K in blocks of
+  // at most 256, rows of C in blocks of at most 144, B packed 2048 columns at a time, B^T transposed
+  // 8 x 8 in registers, A^T packed in panels of 6. The sizes put a ragged tile, block or panel at
+  // every one of those edges (M = 151: two row blocks, the second with a 1-row tile; K = 257: blocks
+  // of 132 and 125, not multiples of the 8-wide transpose; N = 2100: two column panels), with
+  // padded leading dimensions whose extra columns must keep their values.
+  const int before = get_num_threads();
+  set_num_threads(1);
+  Generator g(21);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  struct Size {
+    int M, N, K;
+  };
+  std::vector<Size> sizes;
+  for (int M : {1, 13, 151})
+    for (int N : {1, 17, 65})
+      for (int K : {1, 9, 257, 600}) sizes.push_back({M, N, K});
+  sizes.push_back({7, 2100, 3});
+  sizes.push_back({12, 32, 16});  // whole tiles only
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (const Size& z : sizes)
+        for (float beta : {0.0f, 1.0f, -0.5f}) {
+          const int M = z.M, N = z.N, K = z.K;
+          const int lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 5, ldc = N + 2;
+          Tensor A = randn({ta ? K : M, lda}, float32, &g), B = randn({tb ? N : K, ldb}, float32, &g);
+          Tensor C = randn({M, ldc}, float32, &g);
+          if (beta == 0.0f)  // BLAS's rule: beta = 0 ignores C, NaN included
+            for (int m = 0; m < M; ++m)
+              for (int n = 0; n < N; ++n) C.data<float>()[m * ldc + n] = nan;
+          Tensor want = C.to(float64);
+          Tensor A64 = A.to(float64), B64 = B.to(float64);
+          kernels::gemm_naive<double>(ta, tb, M, N, K, 1.5, A64.data<double>(), lda, B64.data<double>(), ldb, beta,
+                                      want.data<double>(), ldc);
+          kernels::gemm<float>(ta, tb, M, N, K, 1.5f, A.data<float>(), lda, B.data<float>(), ldb, beta, C.data<float>(),
+                               ldc);
+          INFO("ta=" << ta << " tb=" << tb << " M=" << M << " N=" << N << " K=" << K << " beta=" << beta);
+          // float sums of K products of N(0, 1) numbers: a few float roundings of a sum ~ sqrt(K)
+          CHECK(max_abs_diff(C.to(float64), want) < 1e-5 * (K + 1));
+        }
+  // A NaN in op(A)'s row 4 at k = 130 (second K block) turns that row of C to NaN and no other.
+  for (bool ta : {false, true}) {
+    const int M = 13, N = 20, K = 257;
+    Tensor A = randn(ta ? Shape{K, M} : Shape{M, K}, float32, &g), B = randn({K, N}, float32, &g);
+    A.data<float>()[ta ? 130 * M + 4 : 4 * K + 130] = nan;
+    Tensor C = zeros({M, N}, float32);
+    kernels::gemm<float>(ta, false, M, N, K, 1.0f, A.data<float>(), ta ? M : K, B.data<float>(), N, 0.0f,
+                         C.data<float>(), N);
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n) CHECK(std::isnan(C.data<float>()[m * N + n]) == (m == 4));
+  }
+  // alpha = 0 and K = 0: C = beta C.
+  Tensor A = randn({5, 4}, float32, &g), B = randn({4, 6}, float32, &g), C = randn({5, 6}, float32, &g);
+  Tensor C0 = C.clone();
+  kernels::gemm<float>(false, false, 5, 6, 4, 0.0f, A.data<float>(), 4, B.data<float>(), 6, 0.5f, C.data<float>(), 6);
+  CHECK(max_abs_diff(C, C0 * 0.5) == 0.0);
+  kernels::gemm<float>(false, false, 5, 6, 0, 1.0f, A.data<float>(), 4, B.data<float>(), 6, 0.0f, C.data<float>(), 6);
+  CHECK(max_abs_diff(C, zeros({5, 6})) == 0.0);
   set_num_threads(before);
 }
 

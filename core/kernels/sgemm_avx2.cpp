@@ -1,0 +1,243 @@
+// The AVX2 + FMA float32 product; sgemm_avx2.h explains the layering and why.
+#include "kernels/sgemm_avx2.h"
+
+#ifdef TG_SGEMM_AVX2
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+
+namespace tg::kernels::sgemm_avx2 {
+
+namespace {
+
+using i64 = std::int64_t;
+
+constexpr int kMR = 6;     // rows of C per kernel call
+constexpr int kNR = 16;    // columns of C per kernel call (two ymm)
+constexpr i64 kKC = 256;   // K per block: a 16-column panel of B is kc x 64 bytes = 16 KB, half of L1
+constexpr i64 kMC = 144;   // rows of C per block: 144 x 256 floats of A = 144 KB, a share of L2
+constexpr i64 kNC = 2048;  // columns of B packed at once: 2 MB at kc = 256
+
+// The 6 x 16 tile C[0..mv) x [0..nv) = alpha * sum_k a(i, k) b(k, j) + beta * C, over k < kc.
+// b(k, j) = Bp[k * 16 + j] (a packed, 32-byte aligned panel). ROWS: a(i, k) = A[i * lda + k]
+// (six rows of A read in place); else a(i, k) = A[k * lda + i] (a packed panel, lda = 6).
+template <bool ROWS>
+void kernel(i64 kc, const float* __restrict A, i64 lda, const float* __restrict Bp, float* C, i64 ldc, float alpha,
+            float beta, int mv, int nv) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+         c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  const i64 row = ROWS ? lda : 1, step = ROWS ? 1 : lda;
+  const float *a0 = A, *a1 = A + row, *a2 = A + 2 * row, *a3 = A + 3 * row, *a4 = A + 4 * row, *a5 = A + 5 * row;
+#pragma GCC unroll 4
+  for (i64 k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(Bp), b1 = _mm256_load_ps(Bp + 8);
+    __m256 a = _mm256_broadcast_ss(a0);
+    c00 = _mm256_fmadd_ps(a, b0, c00);
+    c01 = _mm256_fmadd_ps(a, b1, c01);
+    a = _mm256_broadcast_ss(a1);
+    c10 = _mm256_fmadd_ps(a, b0, c10);
+    c11 = _mm256_fmadd_ps(a, b1, c11);
+    a = _mm256_broadcast_ss(a2);
+    c20 = _mm256_fmadd_ps(a, b0, c20);
+    c21 = _mm256_fmadd_ps(a, b1, c21);
+    a = _mm256_broadcast_ss(a3);
+    c30 = _mm256_fmadd_ps(a, b0, c30);
+    c31 = _mm256_fmadd_ps(a, b1, c31);
+    a = _mm256_broadcast_ss(a4);
+    c40 = _mm256_fmadd_ps(a, b0, c40);
+    c41 = _mm256_fmadd_ps(a, b1, c41);
+    a = _mm256_broadcast_ss(a5);
+    c50 = _mm256_fmadd_ps(a, b0, c50);
+    c51 = _mm256_fmadd_ps(a, b1, c51);
+    a0 += step;
+    a1 += step;
+    a2 += step;
+    a3 += step;
+    a4 += step;
+    a5 += step;
+    Bp += kNR;
+  }
+  // A full tile goes straight to C; an edge tile to a buffer, then its valid part to C.
+  alignas(32) float edge[kMR * kNR];
+  const bool full = mv == kMR && nv == kNR;
+  float* dst = full ? C : edge;
+  const i64 ld = full ? ldc : kNR;
+  const bool read_c = full && beta != 0.0f;
+  const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
+  auto put = [&](int i, __m256 x0, __m256 x1) {
+    float* r = dst + i * ld;
+    x0 = _mm256_mul_ps(va, x0);
+    x1 = _mm256_mul_ps(va, x1);
+    if (read_c) {
+      x0 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(r), x0);
+      x1 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(r + 8), x1);
+    }
+    _mm256_storeu_ps(r, x0);
+    _mm256_storeu_ps(r + 8, x1);
+  };
+  put(0, c00, c01);
+  put(1, c10, c11);
+  put(2, c20, c21);
+  put(3, c30, c31);
+  put(4, c40, c41);
+  put(5, c50, c51);
+  if (!full)
+    for (int i = 0; i < mv; ++i)
+      for (int j = 0; j < nv; ++j) {
+        float& c = C[i * ldc + j];
+        c = beta == 0.0f ? edge[i * kNR + j] : edge[i * kNR + j] + beta * c;
+      }
+}
+
+// A last panel of rows < 6 rows of op(A), k in [0, kc), zero padded: Ap[k * 6 + i] = a(i, k).
+// A points at the panel's first element a(0, 0).
+void pack_a_edge(bool ta, const float* A, i64 lda, int rows, i64 kc, float* Ap) {
+  for (i64 k = 0; k < kc; ++k)
+    for (int i = 0; i < kMR; ++i) Ap[k * kMR + i] = i < rows ? (ta ? A[k * lda + i] : A[i * lda + k]) : 0.0f;
+}
+
+// op(A) = A^T, mc rows by kc: row i of op(A) is column i of A, a(i, k) = A[k * lda + i]. Packed
+// into panels of 6 rows, Ap[p * kc * 6 + k * 6 + i] = a(6 p + i, k), the last panel zero padded;
+// A is read row by row (contiguous).
+void pack_a_trans(const float* A, i64 lda, i64 mc, i64 kc, float* Ap) {
+  const i64 panels = (mc + kMR - 1) / kMR;
+  for (i64 k = 0; k < kc; ++k) {
+    const float* s = A + k * lda;
+    for (i64 p = 0; p < panels; ++p) {
+      float* d = Ap + p * kc * kMR + k * kMR;
+      const i64 rows = std::min<i64>(kMR, mc - p * kMR);
+      if (rows == kMR) std::memcpy(d, s + p * kMR, kMR * sizeof(float));
+      else
+        for (i64 i = 0; i < kMR; ++i) d[i] = i < rows ? s[p * kMR + i] : 0.0f;
+    }
+  }
+}
+
+// In-register transpose of an 8 x 8 block: r[i] lane j -> r[j] lane i.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);  // (r0 r1 interleaved, low halves of each lane pair)
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    s[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+  }
+}
+
+// op(B) rows k in [0, kc), columns [0, nc) -> panels of 16 columns, Bp[q * kc * 16 + k * 16 + j] =
+// b(k, 16 q + j), the last panel zero padded. B points at b(0, 0); b(k, j) = B[k * ldb + j], or
+// B[j * ldb + k] when tb (then 16 x 8 blocks are read as rows and transposed in registers).
+void pack_b(bool tb, const float* B, i64 ldb, i64 kc, i64 nc, float* Bp) {
+  for (i64 c = 0; c < nc; c += kNR, Bp += kNR * kc) {
+    const i64 cols = std::min<i64>(kNR, nc - c);
+    if (!tb) {
+      const float* s = B + c;
+      if (cols == kNR)
+        for (i64 k = 0; k < kc; ++k, s += ldb) {
+          _mm256_store_ps(Bp + k * kNR, _mm256_loadu_ps(s));
+          _mm256_store_ps(Bp + k * kNR + 8, _mm256_loadu_ps(s + 8));
+        }
+      else
+        for (i64 k = 0; k < kc; ++k, s += ldb)
+          for (i64 j = 0; j < kNR; ++j) Bp[k * kNR + j] = j < cols ? s[j] : 0.0f;
+      continue;
+    }
+    const float* s = B + c * ldb;
+    i64 k = 0;
+    if (cols == kNR)
+      for (; k + 8 <= kc; k += 8)
+        for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h+7 of the panel: 8 rows of B, 8 k each
+          __m256 r[8];
+          for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(s + (8 * h + i) * ldb + k);
+          transpose8(r);
+          for (int i = 0; i < 8; ++i) _mm256_store_ps(Bp + (k + i) * kNR + 8 * h, r[i]);
+        }
+    for (; k < kc; ++k)
+      for (i64 j = 0; j < kNR; ++j) Bp[k * kNR + j] = j < cols ? s[j * ldb + k] : 0.0f;
+  }
+}
+
+// Per-thread packing buffers, grown on demand and kept (a training step's products reuse them).
+struct Buffer {
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> p;
+  i64 n = 0;
+  float* get(i64 need) {
+    if (need > n) {
+      const auto bytes = static_cast<std::size_t>((need * 4 + 63) / 64 * 64);
+      auto* q = static_cast<float*>(std::aligned_alloc(64, bytes));
+      if (!q) throw std::bad_alloc();
+      p.reset(q);
+      n = need;
+    }
+    return p.get();
+  }
+};
+
+// Blocks of about equal size, at most `most` each, rounded up to a multiple of `unit`.
+i64 block(i64 n, i64 most, i64 unit) {
+  const i64 parts = (n + most - 1) / most;
+  return ((n + parts - 1) / parts + unit - 1) / unit * unit;
+}
+
+}  // namespace
+
+void sgemm(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B, i64 ldb,
+           float beta, float* C, i64 ldc) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0 || alpha == 0.0f) {  // C = beta C; A and B are not read (the BLAS rule)
+    for (i64 m = 0; m < M; ++m)
+      for (i64 n = 0; n < N; ++n) C[m * ldc + n] = beta == 0.0f ? 0.0f : beta * C[m * ldc + n];
+    return;
+  }
+  thread_local Buffer buf_a, buf_b;
+  const i64 kcb = block(K, kKC, 4), mcb = block(M, kMC, kMR);
+  float* Ap = buf_a.get((ta ? mcb : kMR) * kcb);
+  for (i64 jc = 0; jc < N; jc += kNC) {
+    const i64 nc = std::min(kNC, N - jc);
+    float* Bp = buf_b.get((nc + kNR - 1) / kNR * kNR * kcb);
+    for (i64 pc = 0; pc < K; pc += kcb) {
+      const i64 kc = std::min(kcb, K - pc);
+      pack_b(tb, tb ? B + jc * ldb + pc : B + pc * ldb + jc, ldb, kc, nc, Bp);
+      const float be = pc == 0 ? beta : 1.0f;  // later K blocks add to what the first wrote
+      for (i64 ic = 0; ic < M; ic += mcb) {
+        const i64 mc = std::min(mcb, M - ic), mfull = mc / kMR * kMR;
+        const int medge = static_cast<int>(mc - mfull);
+        const float* Ablk = ta ? A + pc * lda + ic : A + ic * lda + pc;  // a(ic, pc)
+        if (ta) pack_a_trans(Ablk, lda, mc, kc, Ap);
+        else if (medge) pack_a_edge(false, Ablk + mfull * lda, lda, medge, kc, Ap);
+        for (i64 jr = 0; jr < nc; jr += kNR) {
+          const int nv = static_cast<int>(std::min<i64>(kNR, nc - jr));
+          const float* Bj = Bp + jr * kc;
+          float* Cj = C + ic * ldc + jc + jr;
+          if (ta) {
+            for (i64 ir = 0; ir < mc; ir += kMR)
+              kernel<false>(kc, Ap + ir * kc, kMR, Bj, Cj + ir * ldc, ldc, alpha, be,
+                            static_cast<int>(std::min<i64>(kMR, mc - ir)), nv);
+          } else {
+            for (i64 ir = 0; ir < mfull; ir += kMR)
+              kernel<true>(kc, Ablk + ir * lda, lda, Bj, Cj + ir * ldc, ldc, alpha, be, kMR, nv);
+            if (medge) kernel<false>(kc, Ap, kMR, Bj, Cj + mfull * ldc, ldc, alpha, be, medge, nv);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace tg::kernels::sgemm_avx2
+#endif
