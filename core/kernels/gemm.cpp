@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/parallel.h"
 #include "kernels/sgemm_avx2.h"
@@ -96,6 +97,12 @@ void run(const Gemm<T>& g) {
     product(g.ta, g.tb, g.M, g.N, g.K, g.alpha, g.A, g.lda, g.B, g.ldb, g.beta, g.C, g.ldc);
     return;
   }
+#ifdef TG_SGEMM_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm_avx2::sgemm_parallel(g.ta, g.tb, g.M, g.N, g.K, g.alpha, g.A, g.lda, g.B, g.ldb, g.beta, g.C, g.ldc);
+    return;
+  }
+#endif
 #pragma omp parallel
   gemm_block(g, omp_get_thread_num(), omp_get_num_threads());
 }

@@ -4,7 +4,10 @@
 #ifdef TG_SGEMM_AVX2
 #include <immintrin.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -194,46 +197,99 @@ i64 block(i64 n, i64 most, i64 unit) {
   return ((n + parts - 1) / parts + unit - 1) / unit * unit;
 }
 
+// Rows [r0, r1) of C times column panels [q0, q1) for one block of K: k in [pc, pc + kc) of op(A),
+// with op(B)'s rows of that block packed at Bk (panel q at Bk + q * pstride). be is the beta of
+// this block (the caller's for the first, 1 after). Ap: room for (r1 - r0) x kc floats when ta,
+// else 6 x kc (the edge panel).
+void block_product(bool ta, const float* A, i64 lda, i64 r0, i64 r1, i64 pc, i64 kc, const float* Bk, i64 pstride,
+                   i64 q0, i64 q1, i64 N, float alpha, float be, float* C, i64 ldc, float* Ap) {
+  const i64 mc = r1 - r0, mfull = mc / kMR * kMR;
+  const int medge = static_cast<int>(mc - mfull);
+  const float* Ablk = ta ? A + pc * lda + r0 : A + r0 * lda + pc;  // a(r0, pc)
+  if (ta) pack_a_trans(Ablk, lda, mc, kc, Ap);
+  else if (medge) pack_a_edge(false, Ablk + mfull * lda, lda, medge, kc, Ap);
+  for (i64 q = q0; q < q1; ++q) {
+    const int nv = static_cast<int>(std::min<i64>(kNR, N - q * kNR));
+    const float* Bj = Bk + q * pstride;
+    float* Cj = C + r0 * ldc + q * kNR;
+    if (ta) {
+      for (i64 ir = 0; ir < mc; ir += kMR)
+        kernel<false>(kc, Ap + ir * kc, kMR, Bj, Cj + ir * ldc, ldc, alpha, be,
+                      static_cast<int>(std::min<i64>(kMR, mc - ir)), nv);
+    } else {
+      for (i64 ir = 0; ir < mfull; ir += kMR)
+        kernel<true>(kc, Ablk + ir * lda, lda, Bj, Cj + ir * ldc, ldc, alpha, be, kMR, nv);
+      if (medge) kernel<false>(kc, Ap, kMR, Bj, Cj + mfull * ldc, ldc, alpha, be, medge, nv);
+    }
+  }
+}
+
+// C = beta C for K = 0 or alpha = 0 (A and B are not read: the BLAS rule). True when done.
+bool scale_only(i64 M, i64 N, i64 K, float alpha, float beta, float* C, i64 ldc) {
+  if (K > 0 && alpha != 0.0f) return false;
+  for (i64 m = 0; m < M; ++m)
+    for (i64 n = 0; n < N; ++n) C[m * ldc + n] = beta == 0.0f ? 0.0f : beta * C[m * ldc + n];
+  return true;
+}
+
+thread_local Buffer tl_a, tl_b;  // per-thread packing buffers, kept between calls
+
 }  // namespace
 
 void sgemm(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B, i64 ldb,
            float beta, float* C, i64 ldc) {
-  if (M <= 0 || N <= 0) return;
-  if (K <= 0 || alpha == 0.0f) {  // C = beta C; A and B are not read (the BLAS rule)
-    for (i64 m = 0; m < M; ++m)
-      for (i64 n = 0; n < N; ++n) C[m * ldc + n] = beta == 0.0f ? 0.0f : beta * C[m * ldc + n];
-    return;
-  }
-  thread_local Buffer buf_a, buf_b;
+  if (M <= 0 || N <= 0 || scale_only(M, N, K, alpha, beta, C, ldc)) return;
   const i64 kcb = block(K, kKC, 4), mcb = block(M, kMC, kMR);
-  float* Ap = buf_a.get((ta ? mcb : kMR) * kcb);
-  for (i64 jc = 0; jc < N; jc += kNC) {
+  float* Ap = tl_a.get((ta ? mcb : kMR) * kcb);
+  for (i64 jc = 0; jc < N; jc += kNC) {  // columns [jc, jc + nc): panels of B packed together
     const i64 nc = std::min(kNC, N - jc);
-    float* Bp = buf_b.get((nc + kNR - 1) / kNR * kNR * kcb);
+    float* Bp = tl_b.get((nc + kNR - 1) / kNR * kNR * kcb);
     for (i64 pc = 0; pc < K; pc += kcb) {
       const i64 kc = std::min(kcb, K - pc);
       pack_b(tb, tb ? B + jc * ldb + pc : B + pc * ldb + jc, ldb, kc, nc, Bp);
-      const float be = pc == 0 ? beta : 1.0f;  // later K blocks add to what the first wrote
-      for (i64 ic = 0; ic < M; ic += mcb) {
-        const i64 mc = std::min(mcb, M - ic), mfull = mc / kMR * kMR;
-        const int medge = static_cast<int>(mc - mfull);
-        const float* Ablk = ta ? A + pc * lda + ic : A + ic * lda + pc;  // a(ic, pc)
-        if (ta) pack_a_trans(Ablk, lda, mc, kc, Ap);
-        else if (medge) pack_a_edge(false, Ablk + mfull * lda, lda, medge, kc, Ap);
-        for (i64 jr = 0; jr < nc; jr += kNR) {
-          const int nv = static_cast<int>(std::min<i64>(kNR, nc - jr));
-          const float* Bj = Bp + jr * kc;
-          float* Cj = C + ic * ldc + jc + jr;
-          if (ta) {
-            for (i64 ir = 0; ir < mc; ir += kMR)
-              kernel<false>(kc, Ap + ir * kc, kMR, Bj, Cj + ir * ldc, ldc, alpha, be,
-                            static_cast<int>(std::min<i64>(kMR, mc - ir)), nv);
-          } else {
-            for (i64 ir = 0; ir < mfull; ir += kMR)
-              kernel<true>(kc, Ablk + ir * lda, lda, Bj, Cj + ir * ldc, ldc, alpha, be, kMR, nv);
-            if (medge) kernel<false>(kc, Ap, kMR, Bj, Cj + mfull * ldc, ldc, alpha, be, medge, nv);
-          }
-        }
+      for (i64 ic = 0; ic < M; ic += mcb)
+        block_product(ta, A, lda, ic, std::min(M, ic + mcb), pc, kc, Bp, kNR * kc, 0, (nc + kNR - 1) / kNR, nc,
+                      alpha, pc == 0 ? beta : 1.0f, C + jc, ldc, Ap);
+    }
+  }
+}
+
+// The team's version. op(B) is packed once, whole, by the team (its panels dealt out in turn),
+// then C is cut into items of a block of rows by a run of column panels, taken in turn from a
+// shared counter: a thread slowed by a neighbour on the machine takes fewer. Each item runs the
+// K blocks in order over its own part of C, so no two threads ever write the same element.
+void sgemm_parallel(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B,
+                    i64 ldb, float beta, float* C, i64 ldc) {
+  if (M <= 0 || N <= 0 || scale_only(M, N, K, alpha, beta, C, ldc)) return;
+  const int team = omp_get_max_threads();
+  const i64 kcb = block(K, kKC, 4), nkb = (K + kcb - 1) / kcb, panels = (N + kNR - 1) / kNR;
+  const i64 pstride = kNR * kcb;  // panel q of K block b at Bp + (b * panels + q) * pstride
+  // About four items a thread: rows in multiples of 6 (at least 24, at most kMC), then columns
+  // cut in runs of panels when there are too few row blocks.
+  const i64 want = 4 * team;
+  const i64 rows = std::clamp<i64>(((M + want - 1) / want + kMR - 1) / kMR * kMR, 4 * kMR, kMC);
+  const i64 row_blocks = (M + rows - 1) / rows;
+  const i64 col_blocks = std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
+  const i64 run = (panels + col_blocks - 1) / col_blocks;
+  const i64 items = row_blocks * ((panels + run - 1) / run);
+  float* Bp = tl_b.get(nkb * panels * pstride);  // the calling thread's buffer, shared with the team
+  std::atomic<i64> next{0};
+#pragma omp parallel num_threads(team)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (i64 u = t; u < nkb * panels; u += nt) {
+      const i64 b = u / panels, q = u % panels, pc = b * kcb, kc = std::min(kcb, K - pc), n0 = q * kNR;
+      pack_b(tb, tb ? B + n0 * ldb + pc : B + pc * ldb + n0, ldb, kc, std::min<i64>(kNR, N - n0), Bp + u * pstride);
+    }
+#pragma omp barrier
+    float* Ap = tl_a.get((ta ? rows : kMR) * kcb);
+    for (i64 i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const i64 rb = i % row_blocks, cb = i / row_blocks;
+      const i64 r0 = rb * rows, r1 = std::min(M, r0 + rows), q0 = cb * run, q1 = std::min(panels, q0 + run);
+      for (i64 b = 0; b < nkb; ++b) {
+        const i64 pc = b * kcb;
+        block_product(ta, A, lda, r0, r1, pc, std::min(kcb, K - pc), Bp + b * panels * pstride, pstride, q0, q1, N,
+                      alpha, b == 0 ? beta : 1.0f, C, ldc, Ap);
       }
     }
   }
