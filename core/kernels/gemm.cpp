@@ -73,7 +73,9 @@ bool split_worth(const Gemm<T>& g) {
 // panel, which a profile of the training step showed at about 5% of the step; the split has one
 // barrier per call. Measured in the training benchmark, alternating the two ways step by step:
 // 4 to 8% less time per step. Each thread also zero-fills its own block of C, which is then in its
-// cache when the product starts.
+// cache when the product starts. (float32 on AVX2 builds: sgemm_avx2::sgemm_parallel instead,
+// which packs op(B) once for the team and deals the blocks of C out dynamically; gemm_pair still
+// cuts its two products this way, one whole product per thread.)
 template <class T>
 void gemm_block(const Gemm<T>& g, int t, int nt) {
   const bool by_rows = g.M >= g.N;
@@ -93,13 +95,13 @@ void gemm_block(const Gemm<T>& g, int t, int nt) {
 template <class T>
 void run(const Gemm<T>& g) {
   if (g.M <= 0 || g.N <= 0) return;
-  if (!split_worth(g)) {  // one thread; OpenBLAS may still split a large call
+  if (!split_worth(g)) {  // one thread (OpenBLAS may still split a large float64 call)
     product(g.ta, g.tb, g.M, g.N, g.K, g.alpha, g.A, g.lda, g.B, g.ldb, g.beta, g.C, g.ldc);
     return;
   }
 #ifdef TG_SGEMM_AVX2
   if constexpr (std::is_same_v<T, float>) {
-    sgemm_avx2::sgemm_parallel(g.ta, g.tb, g.M, g.N, g.K, g.alpha, g.A, g.lda, g.B, g.ldb, g.beta, g.C, g.ldc);
+    sgemm_avx2::sgemm_parallel(g);
     return;
   }
 #endif

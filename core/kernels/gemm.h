@@ -1,8 +1,9 @@
 #pragma once
 // C = alpha * op(A) op(B) + beta * C, row-major, op(X) = X or X^T. M x N result, K inner.
-// gemm() calls OpenBLAS (cblas_sgemm / cblas_dgemm), splitting large products across the OpenMP
-// team itself (one single-threaded call per block of C; see gemm.cpp); gemm_naive() is the
-// reference it is tested against: a plain triple loop accumulating in double.
+// gemm() runs float32 products through our own AVX2 + FMA kernel where the build has them
+// (sgemm_avx2.h), float64 ones and other builds' through OpenBLAS (cblas_sgemm / cblas_dgemm), and
+// splits large products across the OpenMP team itself (gemm.cpp); gemm_naive() is the reference
+// both are tested against: a plain triple loop accumulating in double.
 #include <cstdint>
 
 namespace tg::kernels {

@@ -173,19 +173,18 @@ void pack_b(bool tb, const float* B, i64 ldb, i64 kc, i64 nc, float* Bp) {
 }
 
 // Per-thread packing buffers, grown on demand and kept (a training step's products reuse them).
+// get() returns null when the memory is not there instead of throwing: it runs inside OpenMP
+// regions, which an exception must not leave.
 struct Buffer {
   struct Free {
     void operator()(float* p) const { std::free(p); }
   };
   std::unique_ptr<float, Free> p;
   i64 n = 0;
-  float* get(i64 need) {
+  float* get(i64 need) noexcept {
     if (need > n) {
-      const auto bytes = static_cast<std::size_t>((need * 4 + 63) / 64 * 64);
-      auto* q = static_cast<float*>(std::aligned_alloc(64, bytes));
-      if (!q) throw std::bad_alloc();
-      p.reset(q);
-      n = need;
+      p.reset(static_cast<float*>(std::aligned_alloc(64, static_cast<std::size_t>((need * 4 + 63) / 64 * 64))));
+      n = p ? need : 0;
     }
     return p.get();
   }
@@ -232,6 +231,23 @@ bool scale_only(i64 M, i64 N, i64 K, float alpha, float beta, float* C, i64 ldc)
   return true;
 }
 
+// The product without packing, row by row of C with the k loop outside the j loop (vectorised
+// over j): slow, and used only when the packing buffers could not be allocated.
+void unpacked(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B, i64 ldb,
+              float beta, float* C, i64 ldc) {
+  for (i64 m = 0; m < M; ++m) {
+    float* c = C + m * ldc;
+    for (i64 n = 0; n < N; ++n) c[n] = beta == 0.0f ? 0.0f : beta * c[n];
+    for (i64 k = 0; k < K; ++k) {
+      const float a = alpha * (ta ? A[k * lda + m] : A[m * lda + k]);
+      if (tb)
+        for (i64 n = 0; n < N; ++n) c[n] += a * B[n * ldb + k];
+      else
+        for (i64 n = 0; n < N; ++n) c[n] += a * B[k * ldb + n];
+    }
+  }
+}
+
 thread_local Buffer tl_a, tl_b;  // per-thread packing buffers, kept between calls
 
 }  // namespace
@@ -241,9 +257,13 @@ void sgemm(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i
   if (M <= 0 || N <= 0 || scale_only(M, N, K, alpha, beta, C, ldc)) return;
   const i64 kcb = block(K, kKC, 4), mcb = block(M, kMC, kMR);
   float* Ap = tl_a.get((ta ? mcb : kMR) * kcb);
+  float* Bp = tl_b.get((std::min(kNC, N) + kNR - 1) / kNR * kNR * kcb);
+  if (!Ap || !Bp) {  // no memory for the packed operands (this may run inside a parallel region)
+    unpacked(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
   for (i64 jc = 0; jc < N; jc += kNC) {  // columns [jc, jc + nc): panels of B packed together
     const i64 nc = std::min(kNC, N - jc);
-    float* Bp = tl_b.get((nc + kNR - 1) / kNR * kNR * kcb);
     for (i64 pc = 0; pc < K; pc += kcb) {
       const i64 kc = std::min(kcb, K - pc);
       pack_b(tb, tb ? B + jc * ldb + pc : B + pc * ldb + jc, ldb, kc, nc, Bp);
@@ -254,42 +274,50 @@ void sgemm(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i
   }
 }
 
-// The team's version. op(B) is packed once, whole, by the team (its panels dealt out in turn),
-// then C is cut into items of a block of rows by a run of column panels, taken in turn from a
-// shared counter: a thread slowed by a neighbour on the machine takes fewer. Each item runs the
-// K blocks in order over its own part of C, so no two threads ever write the same element.
-void sgemm_parallel(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B,
-                    i64 ldb, float beta, float* C, i64 ldc) {
-  if (M <= 0 || N <= 0 || scale_only(M, N, K, alpha, beta, C, ldc)) return;
+// The team's version. op(B) is packed once, by the team (its panels dealt out in turn); then C is
+// cut into items, a block of rows by a run of column panels, taken in turn from a shared counter:
+// a thread slowed by a neighbour on the machine takes fewer. An item runs the K blocks in order
+// over its own part of C, so no two threads ever write the same element.
+// (Tried: a Linear's two backward products, dx = dy w and dw = dy^T x, dealt out from one counter
+// in the same way. 8% slower per training step than one product per thread (gemm_pair), median of
+// 10 alternating rounds: each thread then reads the other's packed B and the other's half of dy
+// from the shared L3 instead of its own L2.)
+void sgemm_parallel(const Gemm<float>& p) {
+  if (p.M <= 0 || p.N <= 0 || scale_only(p.M, p.N, p.K, p.alpha, p.beta, p.C, p.ldc)) return;
   const int team = omp_get_max_threads();
-  const i64 kcb = block(K, kKC, 4), nkb = (K + kcb - 1) / kcb, panels = (N + kNR - 1) / kNR;
+  const i64 kcb = block(p.K, kKC, 4), nkb = (p.K + kcb - 1) / kcb, panels = (p.N + kNR - 1) / kNR;
   const i64 pstride = kNR * kcb;  // panel q of K block b at Bp + (b * panels + q) * pstride
-  // About four items a thread: rows in multiples of 6 (at least 24, at most kMC), then columns
-  // cut in runs of panels when there are too few row blocks.
+  // About four items a thread: rows in multiples of 6 (at least 24, at most kMC), then columns cut
+  // in runs of panels when there are too few row blocks.
   const i64 want = 4 * team;
-  const i64 rows = std::clamp<i64>(((M + want - 1) / want + kMR - 1) / kMR * kMR, 4 * kMR, kMC);
-  const i64 row_blocks = (M + rows - 1) / rows;
+  const i64 rows = std::clamp<i64>(((p.M + want - 1) / want + kMR - 1) / kMR * kMR, 4 * kMR, kMC);
+  const i64 row_blocks = (p.M + rows - 1) / rows;
   const i64 col_blocks = std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
   const i64 run = (panels + col_blocks - 1) / col_blocks;
   const i64 items = row_blocks * ((panels + run - 1) / run);
-  float* Bp = tl_b.get(nkb * panels * pstride);  // the calling thread's buffer, shared with the team
+  const i64 a_floats = (p.ta ? rows : kMR) * kcb;
+  // The calling thread's buffers, allocated here where a failure can throw: its B buffer is shared
+  // with the team, and with its A buffer it can take every item if no other thread gets one.
+  float* Bp = tl_b.get(nkb * panels * pstride);
+  if (!Bp || !tl_a.get(a_floats)) throw std::bad_alloc();
   std::atomic<i64> next{0};
 #pragma omp parallel num_threads(team)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     for (i64 u = t; u < nkb * panels; u += nt) {
-      const i64 b = u / panels, q = u % panels, pc = b * kcb, kc = std::min(kcb, K - pc), n0 = q * kNR;
-      pack_b(tb, tb ? B + n0 * ldb + pc : B + pc * ldb + n0, ldb, kc, std::min<i64>(kNR, N - n0), Bp + u * pstride);
+      const i64 b = u / panels, q = u % panels, pc = b * kcb, n0 = q * kNR;
+      pack_b(p.tb, p.tb ? p.B + n0 * p.ldb + pc : p.B + pc * p.ldb + n0, p.ldb, std::min(kcb, p.K - pc),
+             std::min<i64>(kNR, p.N - n0), Bp + u * pstride);
     }
 #pragma omp barrier
-    float* Ap = tl_a.get((ta ? rows : kMR) * kcb);
-    for (i64 i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+    float* Ap = tl_a.get(a_floats);  // a thread without one takes no items
+    for (i64 i; Ap && (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const i64 rb = i % row_blocks, cb = i / row_blocks;
-      const i64 r0 = rb * rows, r1 = std::min(M, r0 + rows), q0 = cb * run, q1 = std::min(panels, q0 + run);
+      const i64 r0 = rb * rows, r1 = std::min(p.M, r0 + rows), q0 = cb * run, q1 = std::min(panels, q0 + run);
       for (i64 b = 0; b < nkb; ++b) {
         const i64 pc = b * kcb;
-        block_product(ta, A, lda, r0, r1, pc, std::min(kcb, K - pc), Bp + b * panels * pstride, pstride, q0, q1, N,
-                      alpha, b == 0 ? beta : 1.0f, C, ldc, Ap);
+        block_product(p.ta, p.A, p.lda, r0, r1, pc, std::min(kcb, p.K - pc), Bp + b * panels * pstride, pstride, q0,
+                      q1, p.N, p.alpha, b == 0 ? p.beta : 1.0f, p.C, p.ldc, Ap);
       }
     }
   }

@@ -42,16 +42,16 @@
 #define TG_SGEMM_AVX2 1
 #include <cstdint>
 
+#include "kernels/gemm.h"
+
 namespace tg::kernels::sgemm_avx2 {
 
 void sgemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, const float* A,
            std::int64_t lda, const float* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc);
 
-// The same product by the whole OpenMP team (call it outside a parallel region): op(B) packed
-// once by the team, C cut into items taken from a shared counter (sgemm_avx2.cpp).
-void sgemm_parallel(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, float alpha,
-                    const float* A, std::int64_t lda, const float* B, std::int64_t ldb, float beta, float* C,
-                    std::int64_t ldc);
+// The same product by the whole OpenMP team (call it outside a parallel region): op(B) packed once
+// by the team, then blocks of C taken from a shared counter (sgemm_avx2.cpp).
+void sgemm_parallel(const Gemm<float>& product);
 
 }  // namespace tg::kernels::sgemm_avx2
 #endif
