@@ -107,15 +107,20 @@ void pack_a_edge(bool ta, const float* A, i64 lda, int rows, i64 kc, float* Ap) 
 // into panels of 6 rows, Ap[p * kc * 6 + k * 6 + i] = a(6 p + i, k), the last panel zero padded;
 // A is read row by row (contiguous).
 void pack_a_trans(const float* A, i64 lda, i64 mc, i64 kc, float* Ap) {
-  const i64 panels = (mc + kMR - 1) / kMR;
-  for (i64 k = 0; k < kc; ++k) {
-    const float* s = A + k * lda;
-    for (i64 p = 0; p < panels; ++p) {
-      float* d = Ap + p * kc * kMR + k * kMR;
-      const i64 rows = std::min<i64>(kMR, mc - p * kMR);
-      if (rows == kMR) std::memcpy(d, s + p * kMR, kMR * sizeof(float));
-      else
-        for (i64 i = 0; i < kMR; ++i) d[i] = i < rows ? s[p * kMR + i] : 0.0f;
+  const i64 panels = (mc + kMR - 1) / kMR, full = mc / kMR;
+  // Eight rows of A at a time: they stay in L1 while every panel takes its 8 x 6 values, and each
+  // panel is written 192 contiguous bytes at a time instead of 24.
+  for (i64 k0 = 0; k0 < kc; k0 += 8) {
+    const i64 k1 = std::min(kc, k0 + 8);
+    for (i64 p = 0; p < full; ++p) {
+      float* d = Ap + p * kc * kMR;
+      for (i64 k = k0; k < k1; ++k) std::memcpy(d + k * kMR, A + k * lda + p * kMR, kMR * sizeof(float));
+    }
+    if (full < panels) {
+      const i64 rows = mc - full * kMR;
+      float* d = Ap + full * kc * kMR;
+      for (i64 k = k0; k < k1; ++k)
+        for (i64 i = 0; i < kMR; ++i) d[k * kMR + i] = i < rows ? A[k * lda + full * kMR + i] : 0.0f;
     }
   }
 }
