@@ -135,6 +135,12 @@ void gemm_pair(const Gemm<T>& p, const Gemm<T>& q) {
     run(q);
     return;
   }
+#ifdef TG_SGEMM_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm_avx2::sgemm_pair_parallel(p, q);
+    return;
+  }
+#endif
   const double wp = static_cast<double>(p.M * p.N * p.K), wq = static_cast<double>(q.M * q.N * q.K);
   const int np = std::clamp(static_cast<int>(std::lround(nt * wp / (wp + wq))), 1, nt - 1);
 #pragma omp parallel num_threads(nt)

@@ -53,5 +53,9 @@ void sgemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int6
 // by the team, then blocks of C taken from a shared counter (sgemm_avx2.cpp).
 void sgemm_parallel(const Gemm<float>& product);
 
+// Two independent products by the team, each part of it on its own product first and then on
+// what is left of the other's (sgemm_avx2.cpp).
+void sgemm_pair_parallel(const Gemm<float>& p, const Gemm<float>& q);
+
 }  // namespace tg::kernels::sgemm_avx2
 #endif

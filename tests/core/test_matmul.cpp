@@ -198,6 +198,9 @@ TEST_CASE("gemm_pair computes two products side by side as two gemm calls would,
           keep = {randn({s.ta ? s.K : s.M, s.ta ? s.M : s.K}, float64, &g),
                   randn({s.tb ? s.N : s.K, s.tb ? s.K : s.N}, float64, &g), randn({s.M, s.N}, float64, &g)};
           keep.push_back(keep[2].clone());  // the reference's C
+          keep.push_back(keep[2].to(float32));  // C for the float32 pair
+          keep.push_back(keep[0].to(float32));
+          keep.push_back(keep[1].to(float32));
           kernels::gemm_naive<double>(s.ta, s.tb, s.M, s.N, s.K, 0.75, keep[0].data<double>(), keep[0].size(1),
                                       keep[1].data<double>(), keep[1].size(1), beta, keep[3].data<double>(), s.N);
           return kernels::Gemm<double>{s.ta, s.tb, s.M, s.N, s.K, 0.75, keep[0].data<double>(), keep[0].size(1),
@@ -211,6 +214,16 @@ TEST_CASE("gemm_pair computes two products side by side as two gemm calls would,
                         << q.K << " beta=" << beta);
         CHECK(max_abs_diff(kp[2], kp[3]) < 1e-11);
         CHECK(max_abs_diff(kq[2], kq[3]) < 1e-11);
+        // float32: on AVX2 builds the team's own pair (kernels/sgemm_avx2.cpp: each part of the team
+        // on its own product, then on what is left of the other's).
+        auto f32 = [&](const P& s, std::vector<Tensor>& keep) {
+          return kernels::Gemm<float>{s.ta, s.tb, s.M, s.N, s.K, 0.75f, keep[5].data<float>(), keep[5].size(1),
+                                      keep[6].data<float>(), keep[6].size(1), static_cast<float>(beta),
+                                      keep[4].data<float>(), s.N};
+        };
+        kernels::gemm_pair(f32(p, kp), f32(q, kq));
+        CHECK(max_abs_diff(kp[4].to(float64), kp[3]) < 1e-5 * (p.K + 1));
+        CHECK(max_abs_diff(kq[4].to(float64), kq[3]) < 1e-5 * (q.K + 1));
       }
   }
   // A Linear's backward pairs dx and dw: at a size that is split, against the composite matmul's
