@@ -145,24 +145,35 @@ inline void transpose8(__m256 r[8]) {
   }
 }
 
+// op(B) = B: rows k in [k0, k1) of a block whose panels are pstride floats apart, all nc columns:
+// Bp[q * pstride + k * 16 + j] = B[k * ldb + 16 q + j], the last panel zero padded. Row by row, so
+// that B is read in its own order (whole rows: it often comes from memory, as the x that a
+// weight gradient dy^T x reads back from the forward pass), each row scattered to the panels.
+void pack_b_rows(const float* B, i64 ldb, i64 k0, i64 k1, i64 nc, float* Bp, i64 pstride) {
+  const i64 full = nc / kNR, rest = nc - full * kNR;
+  for (i64 k = k0; k < k1; ++k) {
+    const float* s = B + k * ldb;
+    float* d = Bp + k * kNR;
+    for (i64 q = 0; q < full; ++q, s += kNR, d += pstride) {
+      _mm256_store_ps(d, _mm256_loadu_ps(s));
+      _mm256_store_ps(d + 8, _mm256_loadu_ps(s + 8));
+    }
+    if (rest)
+      for (i64 j = 0; j < kNR; ++j) d[j] = j < rest ? s[j] : 0.0f;
+  }
+}
+
 // op(B) rows k in [0, kc), columns [0, nc) -> panels of 16 columns, Bp[q * kc * 16 + k * 16 + j] =
-// b(k, 16 q + j), the last panel zero padded. B points at b(0, 0); b(k, j) = B[k * ldb + j], or
-// B[j * ldb + k] when tb (then 16 x 8 blocks are read as rows and transposed in registers).
+// b(k, 16 q + j), the last panel zero padded. B points at b(0, 0); b(k, j) = B[k * ldb + j]
+// (pack_b_rows), or B[j * ldb + k] when tb (then 16 x 8 blocks are read as rows and transposed in
+// registers).
 void pack_b(bool tb, const float* B, i64 ldb, i64 kc, i64 nc, float* Bp) {
+  if (!tb) {
+    pack_b_rows(B, ldb, 0, kc, nc, Bp, kNR * kc);
+    return;
+  }
   for (i64 c = 0; c < nc; c += kNR, Bp += kNR * kc) {
     const i64 cols = std::min<i64>(kNR, nc - c);
-    if (!tb) {
-      const float* s = B + c;
-      if (cols == kNR)
-        for (i64 k = 0; k < kc; ++k, s += ldb) {
-          _mm256_store_ps(Bp + k * kNR, _mm256_loadu_ps(s));
-          _mm256_store_ps(Bp + k * kNR + 8, _mm256_loadu_ps(s + 8));
-        }
-      else
-        for (i64 k = 0; k < kc; ++k, s += ldb)
-          for (i64 j = 0; j < kNR; ++j) Bp[k * kNR + j] = j < cols ? s[j] : 0.0f;
-      continue;
-    }
     const float* s = B + c * ldb;
     i64 k = 0;
     if (cols == kNR)
@@ -305,14 +316,22 @@ struct Plan {
     run = (panels + col_blocks - 1) / col_blocks;
     items = row_blocks * ((panels + run - 1) / run);
   }
-  i64 units() const { return nkb * panels; }
-  i64 b_floats() const { return units() * pstride; }
+  // A unit of packing: one panel of one K block for B^T (read as rows of B, transposed), or 16
+  // rows of one K block, all panels, for B.
+  i64 slabs() const { return (kcb + kNR - 1) / kNR; }
+  i64 units() const { return nkb * (g->tb ? panels : slabs()); }
+  i64 b_floats() const { return nkb * panels * pstride; }
   i64 a_floats() const { return (g->ta ? rows : kMR) * kcb; }
   void pack(i64 u) const {
     const Gemm<float>& p = *g;
-    const i64 b = u / panels, q = u % panels, pc = b * kcb, n0 = q * kNR;
-    pack_b(p.tb, p.tb ? p.B + n0 * p.ldb + pc : p.B + pc * p.ldb + n0, p.ldb, std::min(kcb, p.K - pc),
-           std::min<i64>(kNR, p.N - n0), Bp + u * pstride);
+    if (p.tb) {
+      const i64 b = u / panels, q = u % panels, pc = b * kcb, n0 = q * kNR;
+      pack_b(true, p.B + n0 * p.ldb + pc, p.ldb, std::min(kcb, p.K - pc), std::min<i64>(kNR, p.N - n0),
+             Bp + u * pstride);
+    } else {
+      const i64 b = u / slabs(), pc = b * kcb, k0 = u % slabs() * kNR, k1 = std::min({k0 + kNR, kcb, p.K - pc});
+      if (k0 < k1) pack_b_rows(p.B + pc * p.ldb, p.ldb, k0, k1, p.N, Bp + b * panels * pstride, pstride);
+    }
   }
   void item(i64 i, float* Ap) const {
     const Gemm<float>& p = *g;
