@@ -93,7 +93,7 @@ void kernel(i64 kc, const float* __restrict A, i64 lda, const float* __restrict 
     for (int i = 0; i < mv; ++i)
       for (int j = 0; j < nv; ++j) {
         float& c = C[i * ldc + j];
-        c = beta == 0.0f ? edge[i * kNR + j] : edge[i * kNR + j] + beta * c;
+        c = beta == 0.0f ? edge[i * kNR + j] : std::fma(beta, c, edge[i * kNR + j]);  // as the full tile
       }
 }
 

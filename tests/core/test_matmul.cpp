@@ -176,6 +176,48 @@ TEST_CASE("float32 gemm on one thread matches the naive reference at every tile,
   set_num_threads(before);
 }
 
+TEST_CASE("float32 gemm and gemm_pair give the same bits for any team size") {
+  // On AVX2 builds each element of C is summed in the same order (K blocks of a size that does not
+  // depend on the team, k in order inside each) whichever thread computes it and however C is cut
+  // (kernels/sgemm_avx2.cpp), so the products, unlike OpenBLAS's, do not change with the thread
+  // count. Other builds go through OpenBLAS, whose blocking depends on the team: checked there to
+  // the tolerance instead.
+  const int before = get_num_threads();
+  Generator g(44);
+  struct P {
+    bool ta, tb;
+    int M, N, K;
+  };
+  const P shapes[] = {{false, true, 768, 384, 128}, {false, false, 301, 130, 384}, {true, false, 200, 129, 770}};
+  for (const P& s : shapes)
+    for (float beta : {0.0f, 1.0f, 0.3f}) {
+      Tensor A = randn({s.ta ? s.K : s.M, s.ta ? s.M : s.K}, float32, &g);
+      Tensor B = randn({s.tb ? s.N : s.K, s.tb ? s.K : s.N}, float32, &g);
+      Tensor C0 = randn({s.M, s.N}, float32, &g);
+      std::vector<Tensor> out;
+      for (int threads : {1, 2, 3}) {
+        set_num_threads(threads);
+        Tensor C = C0.clone(), D = C0.clone(), E = C0.clone();
+        auto product = [&](Tensor& c) {
+          return kernels::Gemm<float>{s.ta,      s.tb, s.M, s.N, s.K, 1.0f, A.data<float>(), A.size(1), B.data<float>(),
+                                      B.size(1), beta, c.data<float>(), s.N};
+        };
+        kernels::gemm(product(C));
+        kernels::gemm_pair(product(D), product(E));  // the same product twice, side by side
+        out.insert(out.end(), {C, D, E});
+      }
+      INFO("M=" << s.M << " N=" << s.N << " K=" << s.K << " beta=" << beta);
+      for (std::size_t i = 1; i < out.size(); ++i) {
+#if defined(__AVX2__) && defined(__FMA__)
+        CHECK(max_abs_diff(out[i], out[0]) == 0.0);
+#else
+        CHECK(max_abs_diff(out[i], out[0]) < 1e-5 * (s.K + 1));
+#endif
+      }
+    }
+  set_num_threads(before);
+}
+
 TEST_CASE("gemm_pair computes two products side by side as two gemm calls would, any team size") {
   // The team is cut in two in proportion to the products' work (kernels/gemm.cpp); each part
   // splits its product again when it has several threads. Products of equal and unequal work,
