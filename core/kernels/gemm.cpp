@@ -116,6 +116,22 @@ void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T al
   run(Gemm<T>{ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc});
 }
 
+template <class T>
+void gemm_tri(Tri tri, bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A,
+              std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc) {
+#ifdef TG_SGEMM_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    const Gemm<float> g{ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc};
+    if (M > 0 && N > 0 && !split_worth(g)) {
+      sgemm_avx2::sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, tri);
+      return;
+    }
+  }
+#endif
+  (void)tri;  // the whole product: what tri would skip is zero or not read
+  gemm<T>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
 // Two independent products in one parallel region, the team cut in two in proportion to their
 // work (with two threads: one product each, whole); one after the other on the whole team when
 // either is too small to split, inside a parallel region, or with one thread. The two products of
@@ -161,6 +177,10 @@ template void gemm<float>(bool, bool, std::int64_t, std::int64_t, std::int64_t, 
                           const float*, std::int64_t, float, float*, std::int64_t);
 template void gemm<double>(bool, bool, std::int64_t, std::int64_t, std::int64_t, double, const double*, std::int64_t,
                            const double*, std::int64_t, double, double*, std::int64_t);
+template void gemm_tri<float>(Tri, bool, bool, std::int64_t, std::int64_t, std::int64_t, float, const float*,
+                              std::int64_t, const float*, std::int64_t, float, float*, std::int64_t);
+template void gemm_tri<double>(Tri, bool, bool, std::int64_t, std::int64_t, std::int64_t, double, const double*,
+                               std::int64_t, const double*, std::int64_t, double, double*, std::int64_t);
 template void gemm_pair<float>(const Gemm<float>&, const Gemm<float>&);
 template void gemm_pair<double>(const Gemm<double>&, const Gemm<double>&);
 

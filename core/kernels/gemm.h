@@ -12,6 +12,19 @@ template <class T>
 void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A,
           std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc);
 
+// What a product may skip, for causal attention's square products (M = K or M = N):
+//   lower_c: only C(i, j) with j <= i is needed; tiles wholly above the diagonal are not computed
+//            and those elements of C are left unspecified (S = q k^T, dP = dY v^T: the causal
+//            softmax reads only j <= i);
+//   lower_a: op(A)(i, k) = 0 for k > i (P v, dS k: P and dS are 0 above the diagonal);
+//   upper_a: op(A)(i, k) = 0 for k < i (P^T dY, dS^T q).
+// gemm_tri gives gemm's result on every element the caller may read; where the build has no own
+// float32 kernel, or the product is split across the team, it is gemm itself.
+enum class Tri { none, lower_c, lower_a, upper_a };
+template <class T>
+void gemm_tri(Tri tri, bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, T alpha,
+              const T* A, std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc);
+
 // One product's arguments, as gemm's, for gemm_pair.
 template <class T>
 struct Gemm {

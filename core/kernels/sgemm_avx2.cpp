@@ -216,9 +216,10 @@ i64 block(i64 n, i64 most, i64 unit) {
 // Rows [r0, r1) of C times column panels [q0, q1) for one block of K: k in [pc, pc + kc) of op(A),
 // with op(B)'s rows of that block packed at Bk (panel q at Bk + q * pstride). be is the beta of
 // this block (the caller's for the first, 1 after). Ap: room for (r1 - r0) x kc floats when ta,
-// else 6 x kc (the edge panel).
+// else 6 x kc (the edge panel). tri lets a tile skip what a triangle makes zero or unneeded
+// (gemm.h); c0 is the column of C where panel 0 starts.
 void block_product(bool ta, const float* A, i64 lda, i64 r0, i64 r1, i64 pc, i64 kc, const float* Bk, i64 pstride,
-                   i64 q0, i64 q1, i64 N, float alpha, float be, float* C, i64 ldc, float* Ap) {
+                   i64 q0, i64 q1, i64 N, float alpha, float be, float* C, i64 ldc, float* Ap, Tri tri, i64 c0) {
   const i64 mc = r1 - r0, mfull = mc / kMR * kMR;
   const int medge = static_cast<int>(mc - mfull);
   const float* Ablk = ta ? A + pc * lda + r0 : A + r0 * lda + pc;  // a(r0, pc)
@@ -228,14 +229,22 @@ void block_product(bool ta, const float* A, i64 lda, i64 r0, i64 r1, i64 pc, i64
     const int nv = static_cast<int>(std::min<i64>(kNR, N - q * kNR));
     const float* Bj = Bk + q * pstride;
     float* Cj = C + r0 * ldc + q * kNR;
-    if (ta) {
-      for (i64 ir = 0; ir < mc; ir += kMR)
-        kernel<false>(kc, Ap + ir * kc, kMR, Bj, Cj + ir * ldc, ldc, alpha, be,
-                      static_cast<int>(std::min<i64>(kMR, mc - ir)), nv);
-    } else {
-      for (i64 ir = 0; ir < mfull; ir += kMR)
-        kernel<true>(kc, Ablk + ir * lda, lda, Bj, Cj + ir * ldc, ldc, alpha, be, kMR, nv);
-      if (medge) kernel<false>(kc, Ap, kMR, Bj, Cj + mfull * ldc, ldc, alpha, be, medge, nv);
+    for (i64 ir = 0; ir < mc; ir += kMR) {
+      const int mv = static_cast<int>(std::min<i64>(kMR, mc - ir));
+      // The tile's rows [r, r + mv) and its part of this K block, [off, off + len).
+      const i64 r = r0 + ir;
+      i64 off = 0, len = kc;
+      if (tri == Tri::lower_c && c0 + q * kNR > r + mv - 1) continue;  // wholly above the diagonal
+      if (tri == Tri::lower_a) len = std::clamp<i64>(r + mv - pc, 0, kc);  // a(i, k) = 0 for k > i
+      if (tri == Tri::upper_a) {                                         // a(i, k) = 0 for k < i
+        off = std::clamp<i64>(r - pc, 0, kc);
+        len = kc - off;
+      }
+      float* Ct = Cj + ir * ldc;
+      const float* Bt = Bj + off * kNR;
+      if (ta) kernel<false>(len, Ap + ir * kc + off * kMR, kMR, Bt, Ct, ldc, alpha, be, mv, nv);
+      else if (mv == kMR) kernel<true>(len, Ablk + ir * lda + off, lda, Bt, Ct, ldc, alpha, be, kMR, nv);
+      else kernel<false>(len, Ap + off * kMR, kMR, Bt, Ct, ldc, alpha, be, mv, nv);
     }
   }
 }
@@ -270,7 +279,7 @@ thread_local Buffer tl_a, tl_b;  // per-thread packing buffers, kept between cal
 }  // namespace
 
 void sgemm(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B, i64 ldb,
-           float beta, float* C, i64 ldc) {
+           float beta, float* C, i64 ldc, Tri tri) {
   if (M <= 0 || N <= 0 || scale_only(M, N, K, alpha, beta, C, ldc)) return;
   const i64 kcb = block(K, kKC, 4), mcb = block(M, kMC, kMR);
   float* Ap = tl_a.get((ta ? mcb : kMR) * kcb);
@@ -286,7 +295,7 @@ void sgemm(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i
       pack_b(tb, tb ? B + jc * ldb + pc : B + pc * ldb + jc, ldb, kc, nc, Bp);
       for (i64 ic = 0; ic < M; ic += mcb)
         block_product(ta, A, lda, ic, std::min(M, ic + mcb), pc, kc, Bp, kNR * kc, 0, (nc + kNR - 1) / kNR, nc,
-                      alpha, pc == 0 ? beta : 1.0f, C + jc, ldc, Ap);
+                      alpha, pc == 0 ? beta : 1.0f, C + jc, ldc, Ap, tri, jc);
     }
   }
 }
@@ -340,7 +349,7 @@ struct Plan {
     for (i64 b = 0; b < nkb; ++b) {
       const i64 pc = b * kcb;
       block_product(p.ta, p.A, p.lda, r0, r1, pc, std::min(kcb, p.K - pc), Bp + b * panels * pstride, pstride, q0, q1,
-                    p.N, p.alpha, b == 0 ? p.beta : 1.0f, p.C, p.ldc, Ap);
+                    p.N, p.alpha, b == 0 ? p.beta : 1.0f, p.C, p.ldc, Ap, Tri::none, 0);
     }
   }
 };

@@ -46,8 +46,11 @@
 
 namespace tg::kernels::sgemm_avx2 {
 
+// tri (gemm.h): a triangle of C the caller does not need, or of op(A) that is zero, which the
+// tiles then skip (causal attention's products).
 void sgemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, const float* A,
-           std::int64_t lda, const float* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc);
+           std::int64_t lda, const float* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc,
+           Tri tri = Tri::none);
 
 // The same product by the whole OpenMP team (call it outside a parallel region): op(B) packed once
 // by the team, then blocks of C taken from a shared counter (sgemm_avx2.cpp).

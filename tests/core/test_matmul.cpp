@@ -1,4 +1,5 @@
 // matmul: the BLAS path against the naive reference, every transpose and batch layout, gradients.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -215,6 +216,54 @@ TEST_CASE("float32 gemm and gemm_pair give the same bits for any team size") {
 #endif
       }
     }
+  set_num_threads(before);
+}
+
+TEST_CASE("gemm_tri skips a zero triangle of op(A) or an unneeded triangle of C and matches gemm where it counts") {
+  // Causal attention's products (kernels/attention.h): S = q k^T and dP = dY v^T need only C's lower
+  // triangle (lower_c); P v and dS k have op(A) zero above the diagonal (lower_a); P^T dY and
+  // dS^T q have it zero below (upper_a). T = 300 takes K past one 256-deep block, so a tile's
+  // triangle ends inside the second block; 13 and 70 leave ragged tiles on the diagonal.
+  using kernels::Tri;
+  const int before = get_num_threads();
+  set_num_threads(1);
+  Generator g(45);
+  for (int Tn : {1, 13, 64, 70, 300})
+    for (int hs : {8, 32})
+      for (float beta : {0.0f, 1.0f}) {
+        INFO("T=" << Tn << " hs=" << hs << " beta=" << beta);
+        // lower_c: C (T, T) = q k^T, only j <= i compared; the rest must not be read.
+        {
+          Tensor q = randn({Tn, hs}, float32, &g), k = randn({Tn, hs}, float32, &g);
+          Tensor C0 = randn({Tn, Tn}, float32, &g), C = C0.clone(), R = C0.clone();
+          kernels::gemm_tri<float>(Tri::lower_c, false, true, Tn, Tn, hs, 1.0f, q.data<float>(), hs, k.data<float>(),
+                                   hs, beta, C.data<float>(), Tn);
+          kernels::gemm<float>(false, true, Tn, Tn, hs, 1.0f, q.data<float>(), hs, k.data<float>(), hs, beta,
+                               R.data<float>(), Tn);
+          double worst = 0;
+          for (int i = 0; i < Tn; ++i)
+            for (int j = 0; j <= i; ++j)
+              worst = std::max(worst, std::fabs(double(C.data<float>()[i * Tn + j]) - R.data<float>()[i * Tn + j]));
+          CHECK(worst == 0.0);
+        }
+        // lower_a / upper_a: op(A) (T, T) triangular, B (T, hs); the whole C compared.
+        for (Tri tri : {Tri::lower_a, Tri::upper_a})
+          for (bool ta : {false, true}) {
+            Tensor P = randn({Tn, Tn}, float32, &g);
+            float* pd = P.data<float>();
+            for (int i = 0; i < Tn; ++i)  // op(A)(i, k) = ta ? P(k, i) : P(i, k)
+              for (int k = 0; k < Tn; ++k) {
+                const bool zero = tri == Tri::lower_a ? k > i : k < i;
+                if (zero) pd[ta ? k * Tn + i : i * Tn + k] = 0.0f;
+              }
+            Tensor B = randn({Tn, hs}, float32, &g), C0 = randn({Tn, hs}, float32, &g);
+            Tensor C = C0.clone(), R = C0.clone();
+            kernels::gemm_tri<float>(tri, ta, false, Tn, hs, Tn, 1.0f, pd, Tn, B.data<float>(), hs, beta,
+                                     C.data<float>(), hs);
+            kernels::gemm<float>(ta, false, Tn, hs, Tn, 1.0f, pd, Tn, B.data<float>(), hs, beta, R.data<float>(), hs);
+            CHECK(max_abs_diff(C, R) == 0.0);
+          }
+      }
   set_num_threads(before);
 }
 
