@@ -97,11 +97,11 @@ void kernel(i64 kc, const float* __restrict A, i64 lda, const float* __restrict 
       }
 }
 
-// A last panel of rows < 6 rows of op(A), k in [0, kc), zero padded: Ap[k * 6 + i] = a(i, k).
-// A points at the panel's first element a(0, 0).
-void pack_a_edge(bool ta, const float* A, i64 lda, int rows, i64 kc, float* Ap) {
+// A last panel of fewer than 6 rows of op(A) = A, k in [0, kc), zero padded: Ap[k * 6 + i] =
+// A[i * lda + k]. (A^T's last panel is packed with the rest, by pack_a_trans.)
+void pack_a_edge(const float* A, i64 lda, int rows, i64 kc, float* Ap) {
   for (i64 k = 0; k < kc; ++k)
-    for (int i = 0; i < kMR; ++i) Ap[k * kMR + i] = i < rows ? (ta ? A[k * lda + i] : A[i * lda + k]) : 0.0f;
+    for (int i = 0; i < kMR; ++i) Ap[k * kMR + i] = i < rows ? A[i * lda + k] : 0.0f;
 }
 
 // op(A) = A^T, mc rows by kc: row i of op(A) is column i of A, a(i, k) = A[k * lda + i]. Packed
@@ -224,7 +224,7 @@ void block_product(bool ta, const float* A, i64 lda, i64 r0, i64 r1, i64 pc, i64
   const int medge = static_cast<int>(mc - mfull);
   const float* Ablk = ta ? A + pc * lda + r0 : A + r0 * lda + pc;  // a(r0, pc)
   if (ta) pack_a_trans(Ablk, lda, mc, kc, Ap);
-  else if (medge) pack_a_edge(false, Ablk + mfull * lda, lda, medge, kc, Ap);
+  else if (medge) pack_a_edge(Ablk + mfull * lda, lda, medge, kc, Ap);
   for (i64 q = q0; q < q1; ++q) {
     const int nv = static_cast<int>(std::min<i64>(kNR, N - q * kNR));
     const float* Bj = Bk + q * pstride;
@@ -257,10 +257,13 @@ bool scale_only(i64 M, i64 N, i64 K, float alpha, float beta, float* C, i64 ldc)
   return true;
 }
 
-// The product without packing, row by row of C with the k loop outside the j loop (vectorised
-// over j): slow, and used only when the packing buffers could not be allocated.
-void unpacked(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B, i64 ldb,
-              float beta, float* C, i64 ldc) {
+thread_local Buffer tl_a, tl_b;  // per-thread packing buffers, kept between calls
+
+}  // namespace
+
+// Row by row of C, the k loop outside the j loop (vectorised over j).
+void sgemm_unpacked(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B,
+                    i64 ldb, float beta, float* C, i64 ldc) {
   for (i64 m = 0; m < M; ++m) {
     float* c = C + m * ldc;
     for (i64 n = 0; n < N; ++n) c[n] = beta == 0.0f ? 0.0f : beta * c[n];
@@ -274,10 +277,6 @@ void unpacked(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A
   }
 }
 
-thread_local Buffer tl_a, tl_b;  // per-thread packing buffers, kept between calls
-
-}  // namespace
-
 void sgemm(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B, i64 ldb,
            float beta, float* C, i64 ldc, Tri tri) {
   if (M <= 0 || N <= 0 || scale_only(M, N, K, alpha, beta, C, ldc)) return;
@@ -285,7 +284,7 @@ void sgemm(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i
   float* Ap = tl_a.get((ta ? mcb : kMR) * kcb);
   float* Bp = tl_b.get((std::min(kNC, N) + kNR - 1) / kNR * kNR * kcb);
   if (!Ap || !Bp) {  // no memory for the packed operands (this may run inside a parallel region)
-    unpacked(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    sgemm_unpacked(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     return;
   }
   for (i64 jc = 0; jc < N; jc += kNC) {  // columns [jc, jc + nc): panels of B packed together

@@ -52,6 +52,13 @@ void sgemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int6
            std::int64_t lda, const float* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc,
            Tri tri = Tri::none);
 
+// The product without packing buffers: what sgemm falls back to when they cannot be allocated
+// (it may run inside a parallel region, which an exception must not leave). Slow, and its sums
+// are rounded in another order; exposed for its test.
+void sgemm_unpacked(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, float alpha,
+                    const float* A, std::int64_t lda, const float* B, std::int64_t ldb, float beta, float* C,
+                    std::int64_t ldc);
+
 // The same product by the whole OpenMP team (call it outside a parallel region): op(B) packed once
 // by the team, then blocks of C taken from a shared counter (sgemm_avx2.cpp).
 void sgemm_parallel(const Gemm<float>& product);

@@ -6,6 +6,7 @@
 
 #include "helpers.h"
 #include "kernels/gemm.h"
+#include "kernels/sgemm_avx2.h"
 
 using namespace tg;
 using namespace tgtest;
@@ -218,6 +219,29 @@ TEST_CASE("float32 gemm and gemm_pair give the same bits for any team size") {
     }
   set_num_threads(before);
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+TEST_CASE("the float32 product's fallback without packing buffers matches the naive reference") {
+  // sgemm_avx2::sgemm computes without packing when its buffers cannot be allocated (it may run
+  // inside a parallel region and must not throw); that path is otherwise never taken.
+  Generator g(46);
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (float beta : {0.0f, 1.0f, -0.5f}) {
+        const int M = 13, N = 21, K = 30, lda = (ta ? M : K) + 2, ldb = (tb ? K : N) + 3, ldc = N + 1;
+        Tensor A = randn({ta ? K : M, lda}, float32, &g), B = randn({tb ? N : K, ldb}, float32, &g);
+        Tensor C = randn({M, ldc}, float32, &g);
+        if (beta == 0.0f) C.data<float>()[0] = std::numeric_limits<float>::quiet_NaN();  // ignored
+        Tensor want = C.to(float64), A64 = A.to(float64), B64 = B.to(float64);
+        kernels::gemm_naive<double>(ta, tb, M, N, K, 0.5, A64.data<double>(), lda, B64.data<double>(), ldb, beta,
+                                    want.data<double>(), ldc);
+        kernels::sgemm_avx2::sgemm_unpacked(ta, tb, M, N, K, 0.5f, A.data<float>(), lda, B.data<float>(), ldb, beta,
+                                            C.data<float>(), ldc);
+        INFO("ta=" << ta << " tb=" << tb << " beta=" << beta);
+        CHECK(max_abs_diff(C.to(float64), want) < 1e-5 * (K + 1));
+      }
+}
+#endif
 
 TEST_CASE("gemm_tri skips a zero triangle of op(A) or an unneeded triangle of C and matches gemm where it counts") {
   // Causal attention's products (kernels/attention.h): S = q k^T and dP = dY v^T need only C's lower
