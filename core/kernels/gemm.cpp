@@ -16,10 +16,12 @@ namespace {
 CBLAS_TRANSPOSE tr(bool t) { return t ? CblasTrans : CblasNoTrans; }
 blasint bi(std::int64_t v) { return static_cast<blasint>(v); }
 
-[[maybe_unused]] void blas(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, const float* A, std::int64_t lda,
+#ifndef TG_SGEMM_AVX2  // float32 goes to our own kernel where the build has one
+void blas(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, const float* A, std::int64_t lda,
           const float* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc) {
   cblas_sgemm(CblasRowMajor, tr(ta), tr(tb), bi(M), bi(N), bi(K), alpha, A, bi(lda), B, bi(ldb), beta, C, bi(ldc));
 }
+#endif
 void blas(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, double alpha, const double* A,
           std::int64_t lda, const double* B, std::int64_t ldb, double beta, double* C, std::int64_t ldc) {
   cblas_dgemm(CblasRowMajor, tr(ta), tr(tb), bi(M), bi(N), bi(K), alpha, A, bi(lda), B, bi(ldb), beta, C, bi(ldc));
@@ -73,9 +75,8 @@ bool split_worth(const Gemm<T>& g) {
 // panel, which a profile of the training step showed at about 5% of the step; the split has one
 // barrier per call. Measured in the training benchmark, alternating the two ways step by step:
 // 4 to 8% less time per step. Each thread also zero-fills its own block of C, which is then in its
-// cache when the product starts. (float32 on AVX2 builds: sgemm_avx2::sgemm_parallel instead,
-// which packs op(B) once for the team and deals the blocks of C out dynamically; gemm_pair still
-// cuts its two products this way, one whole product per thread.)
+// cache when the product starts. (float32 on AVX2 builds goes to sgemm_avx2::sgemm_parallel and
+// sgemm_pair_parallel instead, which pack op(B) once and deal the blocks of C out dynamically.)
 template <class T>
 void gemm_block(const Gemm<T>& g, int t, int nt) {
   const bool by_rows = g.M >= g.N;
@@ -141,7 +142,9 @@ void gemm_tri(Tri tri, bool ta, bool tb, std::int64_t M, std::int64_t N, std::in
 // (With two threads and unequal products the larger one sets the time: meant for equal pairs.)
 // Measured in the training benchmark, the two ways alternating step by step within a run: 1.2%
 // less time per step (the paired steps' median over the others' 0.979-1.003 in six runs, against
-// 0.993-1.010 for a control that alternated nothing).
+// 0.993-1.010 for a control that alternated nothing). float32 on AVX2 builds: the same start,
+// then a thread that finishes its product takes what is left of the other's
+// (sgemm_avx2::sgemm_pair_parallel), so unequal pairs work too.
 template <class T>
 void gemm_pair(const Gemm<T>& p, const Gemm<T>& q) {
   const int nt = omp_get_max_threads();
