@@ -1,8 +1,8 @@
 #pragma once
-// A float32 matrix product of our own for AVX2 + FMA CPUs: the single-threaded product behind
-// kernels::gemm<float> (gemm.cpp splits a large product across the team and calls this once per
-// block of C). Builds for other CPUs, and every float64 product, call OpenBLAS instead; the
-// reference both are tested against is gemm_naive (gemm.h).
+// A float32 matrix product of our own for AVX2 + FMA CPUs, behind kernels::gemm<float>, gemm_pair
+// and gemm_tri (gemm.cpp): sgemm on one thread, sgemm_parallel and sgemm_pair_parallel on the
+// team. Builds for other CPUs, and every float64 product, call OpenBLAS instead; the reference
+// both are tested against is gemm_naive (gemm.h). docs/matmul.md walks through it.
 //
 //   C = alpha op(A) op(B) + beta C,  row-major, op(A) M x K, op(B) K x N; beta = 0 ignores C.
 //
@@ -30,7 +30,8 @@
 //   contiguous in A, but successive k are a row of A apart, and the GPT's rows are 128, 384 or 512
 //   floats long: power-of-two strides that would map every k to the same few L1 sets.
 // - op(B) is always packed (once per kc block, used by every row of C): 16 contiguous floats a k
-//   step, aligned. B^T (the weights in x w^T) is transposed 8 x 8 at a time in registers.
+//   step, aligned. B^T (the weights in x w^T) is transposed 8 x 8 at a time in registers; B (w in
+//   dy w, x in dy^T x) is read row by row, in its own order.
 // - beta = 0 is a plain store of alpha * acc; C is read only when beta != 0, and only the first kc
 //   block applies the caller's beta (the later ones add with beta = 1).
 // - Tiles at the right and bottom edges compute a full 6 x 16 tile from zero-padded operands into
