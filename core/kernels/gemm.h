@@ -18,8 +18,9 @@ void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64
 //            softmax reads only j <= i);
 //   lower_a: op(A)(i, k) = 0 for k > i (P v, dS k: P and dS are 0 above the diagonal);
 //   upper_a: op(A)(i, k) = 0 for k < i (P^T dY, dS^T q).
-// gemm_tri gives gemm's result on every element the caller may read; where the build has no own
-// float32 kernel, or the product is split across the team, it is gemm itself.
+// gemm_tri gives gemm's result on every element the caller may read (with finite operands: a
+// skipped 0 * inf would have made a NaN); where the build has no own float32 kernel, or the
+// product is split across the team, it is gemm itself.
 enum class Tri { none, lower_c, lower_a, upper_a };
 template <class T>
 void gemm_tri(Tri tri, bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, T alpha,
