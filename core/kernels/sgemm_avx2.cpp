@@ -252,13 +252,16 @@ void block_product(bool ta, const float* A, i64 lda, i64 r0, i64 r1, i64 pc, i64
   }
 }
 
-// C = beta C for K = 0 or alpha = 0 (A and B are not read: the BLAS rule). True when done.
-bool scale_only(i64 M, i64 N, i64 K, float alpha, float beta, float* C, i64 ldc) {
+// True when there is nothing to multiply: C is empty, or K = 0 or alpha = 0, where C = beta C is
+// done here (A and B are not read: the BLAS rule).
+bool no_product(i64 M, i64 N, i64 K, float alpha, float beta, float* C, i64 ldc) {
+  if (M <= 0 || N <= 0) return true;
   if (K > 0 && alpha != 0.0f) return false;
   for (i64 m = 0; m < M; ++m)
     for (i64 n = 0; n < N; ++n) C[m * ldc + n] = beta == 0.0f ? 0.0f : beta * C[m * ldc + n];
   return true;
 }
+bool no_product(const Gemm<float>& g) { return no_product(g.M, g.N, g.K, g.alpha, g.beta, g.C, g.ldc); }
 
 thread_local Buffer tl_a, tl_b;  // per-thread packing buffers, kept between calls
 
@@ -282,7 +285,7 @@ void sgemm_unpacked(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const fl
 
 void sgemm(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B, i64 ldb,
            float beta, float* C, i64 ldc, Tri tri) {
-  if (M <= 0 || N <= 0 || scale_only(M, N, K, alpha, beta, C, ldc)) return;
+  if (no_product(M, N, K, alpha, beta, C, ldc)) return;
   const i64 kcb = block(K, kKC, 4), mcb = block(M, kMC, kMR);
   float* Ap = tl_a.get((ta ? mcb : kMR) * kcb);
   float* Bp = tl_b.get((std::min(kNC, N) + kNR - 1) / kNR * kNR * kcb);
@@ -362,7 +365,7 @@ struct Plan {
 // then the items taken in turn from a shared counter, so a thread slowed by a neighbour on the
 // machine takes fewer.
 void sgemm_parallel(const Gemm<float>& p) {
-  if (p.M <= 0 || p.N <= 0 || scale_only(p.M, p.N, p.K, p.alpha, p.beta, p.C, p.ldc)) return;
+  if (no_product(p)) return;
   const int team = omp_get_max_threads();
   Plan plan(p, team);
   // The calling thread's buffers, allocated here where a failure can throw: its B buffer is shared
@@ -391,8 +394,7 @@ void sgemm_parallel(const Gemm<float>& p) {
 // (Tried: both products' items from one counter, all threads packing both: 8% slower per step,
 // median of 10 alternating rounds, as each thread then read the other's packed B from L3.)
 void sgemm_pair_parallel(const Gemm<float>& p, const Gemm<float>& q) {
-  const bool lp = !(p.M <= 0 || p.N <= 0 || scale_only(p.M, p.N, p.K, p.alpha, p.beta, p.C, p.ldc));
-  const bool lq = !(q.M <= 0 || q.N <= 0 || scale_only(q.M, q.N, q.K, q.alpha, q.beta, q.C, q.ldc));
+  const bool lp = !no_product(p), lq = !no_product(q);
   if (!lp || !lq) {
     if (lp) sgemm_parallel(p);
     if (lq) sgemm_parallel(q);
