@@ -76,18 +76,8 @@ void* Arena::allocate_slow(std::size_t bytes, std::size_t align) {
 
 // ---- Node ----
 
-Node::Node(Node&& o) noexcept
-    : op(o.op),
-      saved(std::move(o.saved)),
-      n_in(o.n_in),
-      n_other(o.n_other),
-      n_out(o.n_out),
-      freed(o.freed),
-      undefined_inputs(o.undefined_inputs),
-      backward(o.backward) {
-  o.backward = BackwardFn{};
-  o.freed = true;  // what it owned is this node's now
-}
+static_assert(std::is_trivially_copyable_v<Node> && std::is_trivially_destructible_v<Node>,
+              "the tape moves and forgets nodes without running code per node");
 
 void Node::release() {
   static_assert(std::is_trivially_destructible_v<Shape>, "other_shapes are not destroyed one by one");
@@ -97,8 +87,6 @@ void Node::release() {
   release_backward();
   n_in = n_out = n_other = 0;  // a freed node's arrays read as empty
 }
-
-const Tensor& Node::grad_out(std::size_t i) const { return outputs()[i]->grad.get(); }
 
 const Shape& Node::input_shape(std::size_t i) const {
   if (slots()[i]) return slots()[i]->shape;
@@ -112,7 +100,7 @@ Tensor Node::grad_in(std::size_t i) const {
   return slots()[i]->grad_accumulator();
 }
 
-bool Node::input_repeated(std::size_t i) const {
+bool Node::input_repeated_slow(std::size_t i) const {
   for (std::size_t j = 0; j < n_in; ++j)
     if (j != i && slots()[j] == slots()[i]) return true;
   return false;
@@ -155,7 +143,7 @@ GradDest Node::grad_dest_over(std::size_t i, std::size_t j) const {
   return grad_dest(i);
 }
 
-std::size_t Node::bytes_saved() const {
+std::size_t Node::bytes_saved_slow() const {
   std::size_t b = 0;
   for (const Tensor& t : saved) b += t.defined() ? t.nbytes() : 0;
   return b;
@@ -168,7 +156,7 @@ Tape& tape() {
   return t;
 }
 
-Tape::~Tape() { nodes_.clear(); }
+Tape::~Tape() { clear(); }
 
 Node& Tape::push() {
   if (nodes_.size() >= next_sweep_ || saved_live_ >= next_sweep_bytes_) sweep();
@@ -178,7 +166,13 @@ Node& Tape::push() {
 }
 
 void Tape::clear() {
-  nodes_.clear();
+  if (live_ > 0)
+    for (Node& n : nodes_)
+      if (!n.freed) {
+        n.release();
+        n.freed = true;
+      }
+  nodes_.clear();  // O(1): nodes are trivially destructible
   arena_.reset();
   live_ = 0;
   next_sweep_ = kFirstSweep;
@@ -258,7 +252,7 @@ void Tape::print(std::ostream& os) const {
 std::string Tape::to_dot() const {
   std::ostringstream s;
   s << "digraph tape {\n  rankdir=TB;\n  node [fontname=\"Helvetica\", fontsize=10];\n";
-  std::unordered_map<std::uint64_t, bool> declared;
+  std::unordered_map<std::uint32_t, bool> declared;
   auto tensor_node = [&](AutogradMeta& m, bool leaf) {
     if (declared[m.dot_id()]) return;
     declared[m.dot_id()] = true;
@@ -297,7 +291,7 @@ namespace detail {
 Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in, Tensor* const* outputs,
                   std::size_t n_out, const Tensor* saved, std::size_t n_saved, std::size_t closure_bytes,
                   std::size_t closure_align) {
-  using Meta = std::shared_ptr<AutogradMeta>;
+  using Meta = detail::Ref<AutogradMeta>;
   static_assert(alignof(Meta) <= alignof(Tensor) && alignof(Shape) <= alignof(Tensor));
   Tape& tp = tape();
   // What can throw comes before anything is recorded: the outputs' slots, then the node (push may
@@ -486,7 +480,7 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   // reads during the walk: what an earlier backward left in it must not flow again. Pass 1 notes
   // them; they are set aside once the pass has found nothing to refuse, and added back afterwards.
   // (Owning pointers: freeing the walked nodes may drop the last other owner of a slot.)
-  std::vector<std::shared_ptr<AutogradMeta>> retained;
+  std::vector<detail::Ref<AutogradMeta>> retained;
   // The caller's upstream gradient may be shared with the root (not copied) unless it is the
   // memory of a gradient this walk adds into (y.backward(x.grad()) with x in y's graph).
   bool seed_aliased = false;
@@ -496,7 +490,7 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   // walk itself, which is equivalent because every consumer of a tensor runs before its producer,
   // and a pass over the whole tape is saved.
   if (grad.defined() || tp.live() != tp.size() || detail::retain_grad_used()) {
-    auto note = [&](const std::shared_ptr<AutogradMeta>& m) {
+    auto note = [&](const detail::Ref<AutogradMeta>& m) {
       if (!m->grad.defined()) return;
       if (m->node >= 0 && m->retains_grad) retained.push_back(m);
       seed_aliased = seed_aliased || m->grad.get().shares_storage(seed);
@@ -524,11 +518,11 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   }
   // The retained gradients' slots are moved aside and moved back: nothing to allocate in the
   // destructor below (reserve first, so no emplace_back can throw after a slot has moved).
-  std::vector<std::pair<std::shared_ptr<AutogradMeta>, detail::GradSlot>> kept;
+  std::vector<std::pair<detail::Ref<AutogradMeta>, detail::GradSlot>> kept;
   kept.reserve(retained.size());
   for (auto& m : retained) kept.emplace_back(m, std::move(m->grad));
   struct Restore {  // also when a backward kernel or anomaly mode throws
-    std::vector<std::pair<std::shared_ptr<AutogradMeta>, detail::GradSlot>>& kept;
+    std::vector<std::pair<detail::Ref<AutogradMeta>, detail::GradSlot>>& kept;
     ~Restore() {
       for (auto& [m, old] : kept) {
         if (m->grad.defined()) {

@@ -13,12 +13,12 @@
 namespace tg {
 
 namespace {
-std::atomic<std::uint64_t> next_meta_id{1};
+std::atomic<std::uint32_t> next_meta_id{1};
 
-// Recycles the small fixed-size blocks of std::allocate_shared (a Storage or an AutogradMeta with
-// its reference counts) through a per-thread free list. A training step makes and drops a few
-// hundred of each; a chain of 10^5 small ops, 10^5. Through malloc, the freed tail of the heap is
-// trimmed back to the system and faulted in again on the next step, which cost more than the ops.
+// Recycles the small fixed-size blocks of the objects behind a Tensor (a Storage, an AutogradMeta, a
+// gradient's Tensor) through a per-thread free list. A training step makes and drops a few hundred
+// of each; a chain of 10^5 small ops, 10^5. Through malloc, the freed tail of the heap is trimmed
+// back to the system and faulted in again on the next step, which cost more than the ops.
 // A block freed on another thread joins that thread's list (any block fits any list of its size);
 // each list keeps at most kPoolMax blocks and frees the rest.
 // A thread's list is freed when the thread ends; a block dropped after that (a tensor held in a
@@ -47,33 +47,44 @@ constexpr bool kPoolOn = false;
 constexpr bool kPoolOn = true;
 #endif
 
+// Raw memory for one T, and its return.
 template <class T>
-struct PoolAllocator {
-  using value_type = T;
-  PoolAllocator() = default;
-  template <class U>
-  PoolAllocator(const PoolAllocator<U>&) noexcept {}
+T* pool_allocate() {
   using Pool = BlockPool<sizeof(T), alignof(T)>;
-  T* allocate(std::size_t n) {
-    if (n != 1) throw std::bad_alloc();  // allocate_shared asks for one object
-    auto* pool = kPoolOn ? Pool::mine() : nullptr;
-    if (!pool || pool->free.empty()) return static_cast<T*>(Pool::get());
-    void* p = pool->free.back();
-    pool->free.pop_back();
-    return static_cast<T*>(p);
+  auto* pool = kPoolOn ? Pool::mine() : nullptr;
+  if (!pool || pool->free.empty()) return static_cast<T*>(Pool::get());
+  void* p = pool->free.back();
+  pool->free.pop_back();
+  return static_cast<T*>(p);
+}
+template <class T>
+void pool_deallocate(T* p) noexcept {
+  using Pool = BlockPool<sizeof(T), alignof(T)>;
+  auto* pool = kPoolOn ? Pool::mine() : nullptr;
+  if (!pool || pool->free.size() >= Pool::kPoolMax) return Pool::release(p);
+  try {
+    pool->free.push_back(p);
+  } catch (...) {
+    Pool::release(p);
   }
-  void deallocate(T* p, std::size_t) noexcept {
-    auto* pool = kPoolOn ? Pool::mine() : nullptr;
-    if (!pool || pool->free.size() >= Pool::kPoolMax) return Pool::release(p);
-    try {
-      pool->free.push_back(p);
-    } catch (...) {
-      Pool::release(p);
-    }
+}
+
+// A T built in pooled memory, the memory given back if its constructor throws.
+template <class T, class... Args>
+T* pool_new(Args&&... args) {
+  T* mem = pool_allocate<T>();
+  try {
+    return ::new (mem) T(std::forward<Args>(args)...);
+  } catch (...) {
+    pool_deallocate(mem);
+    throw;
   }
-  template <class U>
-  bool operator==(const PoolAllocator<U>&) const noexcept { return true; }
-};
+}
+template <class T>
+void pool_delete(T* p) noexcept {
+  p->~T();
+  pool_deallocate(p);
+}
 
 // The shape's byte count, refusing negative dimensions and sizes beyond 1 TiB before anything is
 // allocated (and before the count could overflow): no machine this runs on has that much memory,
@@ -96,9 +107,9 @@ std::size_t checked_bytes(const char* op, const Shape& s, std::size_t itemsize) 
 
 Tensor Tensor::empty(const Shape& shape, DType dtype) {
   const std::size_t bytes = checked_bytes("empty", shape, itemsize(dtype));
-  std::shared_ptr<Storage> st;
+  detail::Ref<Storage> st;
   try {
-    st = std::allocate_shared<Storage>(PoolAllocator<Storage>(), bytes);
+    st = detail::Ref<Storage>(Storage::make(bytes));
   } catch (const std::bad_alloc&) {
     fail("empty", "out of memory allocating ", bytes, " bytes for ", dtype, " ", shape);
   }
@@ -151,10 +162,13 @@ void Tensor::set(std::initializer_list<std::int64_t> idx, double v) {
 
 // ---- autograd slot ----
 
-std::shared_ptr<AutogradMeta>& Tensor::ensure_meta() {
-  if (!meta_) {
-    meta_ = std::allocate_shared<AutogradMeta>(PoolAllocator<AutogradMeta>(), shape_, dtype_);
-  }
+Storage* Storage::make(std::size_t nbytes) { return pool_new<Storage>(nbytes); }
+void Storage::destroy(Storage* s) noexcept { pool_delete(s); }
+AutogradMeta* AutogradMeta::make(const Shape& s, DType d) { return pool_new<AutogradMeta>(s, d); }
+void AutogradMeta::destroy(AutogradMeta* m) noexcept { pool_delete(m); }
+
+detail::Ref<AutogradMeta>& Tensor::ensure_meta() {
+  if (!meta_) meta_ = detail::Ref<AutogradMeta>(AutogradMeta::make(shape_, dtype_));
   return meta_;
 }
 
@@ -192,8 +206,8 @@ Tensor& Tensor::set_name(std::string name) {
 
 std::string Tensor::name() const { return meta_ ? meta_->label() : std::string(); }
 
-std::uint64_t AutogradMeta::dot_id() {
-  if (id == 0) id = next_meta_id++;
+std::uint32_t AutogradMeta::dot_id() {
+  while (id == 0) id = next_meta_id++;  // (0 means none yet: skipped when the counter wraps)
   return id;
 }
 
@@ -216,17 +230,14 @@ Tensor& GradSlot::set(Tensor t) {
     *p_ = std::move(t);
     return *p_;
   }
-  PoolAllocator<Tensor> alloc;
-  Tensor* p = alloc.allocate(1);
-  p_ = ::new (p) Tensor(std::move(t));
+  p_ = pool_new<Tensor>(std::move(t));  // a move: cannot throw after the allocation
   return *p_;
 }
 
 void GradSlot::release() {
   Tensor* p = p_;
   p_ = nullptr;
-  p->~Tensor();
-  PoolAllocator<Tensor>().deallocate(p, 1);
+  pool_delete(p);
 }
 
 }  // namespace detail

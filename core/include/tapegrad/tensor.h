@@ -4,6 +4,7 @@
 // the data, detach() drops the autograd slot. Storage is always contiguous and row-major:
 // reshape/view share it, transpose/permute/slice/cat copy (documented difference from PyTorch,
 // whose transpose is a strided view).
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -13,6 +14,7 @@
 
 #include "tapegrad/dtype.h"
 #include "tapegrad/error.h"
+#include "tapegrad/ref.h"
 #include "tapegrad/shape.h"
 
 namespace tg {
@@ -20,14 +22,19 @@ namespace tg {
 // A 64-byte aligned block of memory, recycled through a caching allocator (see core/storage.cpp).
 // Up to kInlineBytes (a scalar, a loss, a few elements) live inside the Storage object itself: one
 // allocation per tensor instead of two, and no trip through the cache's lists.
+// Storage objects themselves come from a per-thread pool (Storage::make; Ref<Storage> gives them
+// back through destroy).
 struct Storage {
   static constexpr std::size_t kInlineBytes = 64;
   explicit Storage(std::size_t nbytes);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
+  static Storage* make(std::size_t nbytes);  // throws std::bad_alloc
+  static void destroy(Storage* s) noexcept;
   void* data = nullptr;
   std::size_t nbytes = 0;
+  std::atomic<std::uint32_t> refs{1};  // see detail::Ref
   alignas(64) unsigned char inline_data[kInlineBytes];
 };
 
@@ -96,8 +103,8 @@ class Tensor {
   Tensor mean(const std::vector<int>& axes = {}, bool keepdim = false) const;
 
   // Internal: the autograd slot (may be null) and construction from parts.
-  const std::shared_ptr<AutogradMeta>& meta() const { return meta_; }
-  std::shared_ptr<AutogradMeta>& ensure_meta();
+  const detail::Ref<AutogradMeta>& meta() const { return meta_; }
+  detail::Ref<AutogradMeta>& ensure_meta();
   // Internal: makes this tensor undefined, as Tensor() (without building one to move in).
   void reset() {
     storage_.reset();
@@ -109,14 +116,14 @@ class Tensor {
   bool sole_owner() const { return storage_ && storage_.use_count() == 1; }
   // Internal: the same storage under another shape of equal numel, without autograd history.
   Tensor alias(const Shape& shape) const { return Tensor(storage_, shape, dtype_); }
-  Tensor(std::shared_ptr<Storage> s, const Shape& shape, DType dtype)
+  Tensor(detail::Ref<Storage> s, const Shape& shape, DType dtype)
       : storage_(std::move(s)), shape_(shape), dtype_(dtype) {}
 
  private:
-  std::shared_ptr<Storage> storage_;
+  detail::Ref<Storage> storage_;
   Shape shape_;
   DType dtype_ = DType::f32;
-  std::shared_ptr<AutogradMeta> meta_;
+  detail::Ref<AutogradMeta> meta_;
   void check_dtype(DType want) const;
   std::int64_t flat_index(std::initializer_list<std::int64_t> idx, const char* op) const;
 };
@@ -164,21 +171,27 @@ extern const Tensor g_undefined_tensor;  // what GradSlot::get() returns for an 
 // they accumulate into, so an input's activations are freed as soon as nothing else needs them.
 struct AutogradMeta {
   AutogradMeta(const Shape& s, DType d) : shape(s), dtype(d) {}
+  AutogradMeta(const AutogradMeta&) = delete;
+  AutogradMeta& operator=(const AutogradMeta&) = delete;
+  // A new slot with one reference, from a per-thread pool (throws std::bad_alloc); see detail::Ref.
+  static AutogradMeta* make(const Shape& s, DType d);
+  static void destroy(AutogradMeta* m) noexcept;
   Shape shape;
   detail::GradSlot grad;           // the gradient accumulated here (undefined until a backward reaches it)
   std::int64_t node = -1;          // index of the creating node on the tape; -1 for a leaf
   std::uint64_t generation = 0;    // the tape generation that node belongs to
-  std::uint64_t id = 0;            // unique, names the tensor in DOT output (0 until asked: see dot_id)
   std::uint64_t visit = 0;         // marks the tensors a backward pass will reach
   std::unique_ptr<std::string> name;  // set_name's label; null for the (many) unnamed tensors
+  std::uint32_t id = 0;            // names the tensor in DOT output (0 until asked: see dot_id)
+  std::atomic<std::uint32_t> refs{1};  // the Refs to this slot (Tensors and tape nodes)
   DType dtype = DType::f32;
   bool requires_grad = false;
   bool retains_grad = false;
   // The gradient buffer to accumulate (+=) into, allocated as zeros on first use.
   Tensor& grad_accumulator();
   // The id, drawn from a global counter on first use (an atomic increment per recorded op
-  // otherwise, for a number only the DOT output reads).
-  std::uint64_t dot_id();
+  // otherwise, for a number only the DOT output reads); unique among the first 2^32 drawn.
+  std::uint32_t dot_id();
   std::string label() const { return name ? *name : std::string(); }
 };
 
