@@ -15,8 +15,9 @@
 namespace tg {
 
 namespace detail {
-thread_local bool t_grad_enabled = true;
-thread_local bool t_anomaly = false;
+thread_local constinit bool t_grad_enabled = true;
+thread_local constinit bool t_anomaly = false;
+thread_local constinit Tape* t_tape = nullptr;
 }  // namespace detail
 using detail::t_anomaly;
 using detail::t_grad_enabled;
@@ -132,12 +133,14 @@ GradDest Node::grad_dest_over(std::size_t i, std::size_t j) const {
     AutogradMeta& m = *slots()[i];
     AutogradMeta& o = *outputs()[j];
     const Tensor& og = o.grad.get();
-    if (!m.grad.defined() && !input_repeated(i) && !o.retains_grad && og.sole_owner() && og.dtype() == m.dtype &&
-        og.numel() == m.shape.numel()) {
-      m.grad = std::move(o.grad);  // moves the slot's pointer: leaves o.grad undefined
-      Tensor& g = *m.grad.ptr();
-      if (!(g.shape() == m.shape)) g = g.alias(m.shape);
-      return GradDest{&g, false};
+    if (!m.grad.defined() && !o.retains_grad && og.sole_owner() && og.dtype() == m.dtype && !input_repeated(i)) {
+      const bool same_shape = og.shape() == m.shape;
+      if (same_shape || og.numel() == m.shape.numel()) {
+        m.grad = std::move(o.grad);  // moves the slot's pointer: leaves o.grad undefined
+        Tensor& g = *m.grad.ptr();
+        if (!same_shape) g = g.alias(m.shape);
+        return GradDest{&g, false};
+      }
     }
   }
   return grad_dest(i);
@@ -151,12 +154,18 @@ std::size_t Node::bytes_saved_slow() const {
 
 // ---- Tape ----
 
-Tape& tape() {
-  thread_local Tape t;
+namespace detail {
+Tape& tape_slow() {
+  thread_local Tape t;  // a guarded thread_local: its destructor runs when the thread ends
+  t_tape = &t;
   return t;
 }
+}  // namespace detail
 
-Tape::~Tape() { clear(); }
+Tape::~Tape() {
+  clear();
+  if (detail::t_tape == this) detail::t_tape = nullptr;
+}
 
 Node& Tape::push() {
   if (nodes_.size() >= next_sweep_ || saved_live_ >= next_sweep_bytes_) sweep();
@@ -327,8 +336,8 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
     } else {
       ::new (in + i) Meta();
       ::new (shapes + k++) Shape(t->shape());
+      if (!t->defined() && i < 64) undefined |= std::uint64_t(1) << i;  // (an undefined tensor needs no grad)
     }
-    if (!t->defined() && i < 64) undefined |= std::uint64_t(1) << i;
   }
   for (std::size_t i = 0; i < n_saved; ++i) ::new (sv + i) Tensor(saved[i]);
   const auto index = static_cast<std::int64_t>(tp.size()) - 1;

@@ -9,14 +9,22 @@ namespace tg::detail {
 
 template <class T>
 T* per_thread() {
-  thread_local bool gone = false;  // trivially destructible: readable until the thread is gone
+  // Trivially destructible thread_locals are plain loads, readable until the thread is gone; the
+  // guarded instance is reached only on first use (the allocators call this per tensor).
+  thread_local T* cached = nullptr;
+  thread_local bool gone = false;
+  if (cached) [[likely]] return cached;
+  if (gone) return nullptr;
   struct Holder {
     T value;
-    ~Holder() { gone = true; }     // set before value's destructor runs: its frees see it
+    ~Holder() {  // set before value's destructor runs: its frees see them
+      gone = true;
+      cached = nullptr;
+    }
   };
-  if (gone) return nullptr;
   thread_local Holder h{};
-  return &h.value;
+  cached = &h.value;
+  return cached;
 }
 
 }  // namespace tg::detail

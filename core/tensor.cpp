@@ -24,12 +24,20 @@ std::atomic<std::uint32_t> next_meta_id{1};
 // A thread's list is freed when the thread ends; a block dropped after that (a tensor held in a
 // static, or by another thread_local) goes straight to the heap, as every block does under
 // AddressSanitizer (so use-after-free stays detectable).
+// The free blocks are an intrusive list (each free block holds the next one's address): a push or
+// a pop is two moves and a count, with nothing to grow.
 template <std::size_t Size, std::size_t Align>
 struct BlockPool {
+  static_assert(Size >= sizeof(void*));
   static constexpr std::size_t kPoolMax = std::size_t(1) << 18;
-  std::vector<void*> free;
+  void* head = nullptr;
+  std::size_t count = 0;
   ~BlockPool() {
-    for (void* p : free) release(p);
+    while (head) {
+      void* p = head;
+      head = *static_cast<void**>(p);
+      release(p);
+    }
   }
   static void* get() {
     if constexpr (Align > __STDCPP_DEFAULT_NEW_ALIGNMENT__) return ::operator new(Size, std::align_val_t(Align));
@@ -52,21 +60,20 @@ template <class T>
 T* pool_allocate() {
   using Pool = BlockPool<sizeof(T), alignof(T)>;
   auto* pool = kPoolOn ? Pool::mine() : nullptr;
-  if (!pool || pool->free.empty()) return static_cast<T*>(Pool::get());
-  void* p = pool->free.back();
-  pool->free.pop_back();
+  if (!pool || !pool->head) return static_cast<T*>(Pool::get());
+  void* p = pool->head;
+  pool->head = *static_cast<void**>(p);
+  --pool->count;
   return static_cast<T*>(p);
 }
 template <class T>
 void pool_deallocate(T* p) noexcept {
   using Pool = BlockPool<sizeof(T), alignof(T)>;
   auto* pool = kPoolOn ? Pool::mine() : nullptr;
-  if (!pool || pool->free.size() >= Pool::kPoolMax) return Pool::release(p);
-  try {
-    pool->free.push_back(p);
-  } catch (...) {
-    Pool::release(p);
-  }
+  if (!pool || pool->count >= Pool::kPoolMax) return Pool::release(p);
+  *reinterpret_cast<void**>(p) = pool->head;
+  pool->head = p;
+  ++pool->count;
 }
 
 // A T built in pooled memory, the memory given back if its constructor throws.
@@ -91,6 +98,12 @@ void pool_delete(T* p) noexcept {
 // and the allocator's own failure is a less helpful message (or, under AddressSanitizer, an abort).
 std::size_t checked_bytes(const char* op, const Shape& s, std::size_t itemsize) {
   constexpr std::uint64_t kMax = std::uint64_t(1) << 40;
+  // Fast path: at most two dimensions, each in [1, 2^16]: at most 2^35 bytes, under the limit.
+  if (s.ndim() <= 2) {
+    const std::uint64_t d0 = s.ndim() > 0 ? static_cast<std::uint64_t>(s[0]) - 1 : 0;
+    const std::uint64_t d1 = s.ndim() > 1 ? static_cast<std::uint64_t>(s[1]) - 1 : 0;
+    if ((d0 | d1) < (std::uint64_t(1) << 16)) return itemsize * (d0 + 1) * (d1 + 1);
+  }
   std::uint64_t n = itemsize;
   bool negative = false, zero = false, big = false;
   for (std::int64_t d : s) {

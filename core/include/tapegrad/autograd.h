@@ -245,13 +245,24 @@ class Tape {
   std::size_t next_sweep_bytes_ = kSweepBytes;
 };
 
+namespace detail {
+// This thread's switches and tape, read inline by every op (see grad_enabled, set_detect_anomaly
+// and tape()). constinit: no dynamic initialisation, so an access is a plain thread-local load
+// with no call to an initialisation wrapper.
+extern thread_local constinit bool t_grad_enabled;
+extern thread_local constinit bool t_anomaly;
+extern thread_local constinit Tape* t_tape;  // null until tape_slow() has made this thread's tape
+Tape& tape_slow();
+}  // namespace detail
+
 // This thread's tape.
-Tape& tape();
+inline Tape& tape() {
+  Tape* t = detail::t_tape;
+  return t ? *t : detail::tape_slow();
+}
 namespace detail {
 inline std::size_t tape_size() { return tape().size(); }
-// This thread's switches, read inline by every op (see grad_enabled and set_detect_anomaly).
-extern thread_local bool t_grad_enabled;
-extern thread_local bool t_anomaly;
+inline bool anomaly_enabled() { return t_anomaly; }
 }  // namespace detail
 
 // Recording is on unless a NoGradGuard is alive on this thread (PyTorch's torch.no_grad()).
@@ -288,7 +299,6 @@ Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in,
 // Anomaly mode's forward check of a freshly recorded node's outputs (see set_detect_anomaly).
 void check_anomaly_outputs(const char* op, std::size_t index, const Node& node, const Tensor* const* outputs,
                            std::size_t n_out, const Tensor* const* inputs, std::size_t n_in);
-inline bool anomaly_enabled() { return t_anomaly; }
 // Whether retain_grad() was ever called (in any thread): backward then takes its careful first pass.
 void note_retain_grad();
 bool retain_grad_used();
