@@ -72,23 +72,42 @@ struct ReluOp {  // 1 where x > 0, else 0 (0 at 0, as PyTorch); NaN stays NaN
   template <class T> T f(T x) const { return x < 0 ? T(0) : x; }
   template <class T> T df(T x, T) const { return x > 0 ? T(1) : T(0); }
 };
+// The GELUs also give f and df together (fdf): when the op is recorded, the forward stores df(x)
+// in place of x, sharing the erf (or tanh) between the two, and the backward is one multiply
+// (see unary_forward_deriv). The same formulas either way, so the same bits.
 struct GeluErfOp {  // x Phi(x); d/dx = Phi(x) + x phi(x), phi the standard normal density
-  static constexpr bool kX = true, kY = false;
-  template <class T> T f(T x) const { return T(0.5) * x * (T(1) + fast_erf(x * T(std::numbers::sqrt2 / 2))); }
-  template <class T> T df(T x, T) const {
-    const T cdf = T(0.5) * (T(1) + fast_erf(x * T(std::numbers::sqrt2 / 2)));
-    const T pdf = fast_exp(T(-0.5) * x * x) * T(0.5 * std::numbers::inv_sqrtpi * std::numbers::sqrt2);
-    return cdf + x * pdf;
+  static constexpr bool kX = true, kY = false, kFdf = true;
+  template <class T> static T erf_(T x) { return fast_erf(x * T(std::numbers::sqrt2 / 2)); }
+  template <class T> static T pdf(T x) {
+    return fast_exp(T(-0.5) * x * x) * T(0.5 * std::numbers::inv_sqrtpi * std::numbers::sqrt2);
+  }
+  template <class T> T f(T x) const { return T(0.5) * x * (T(1) + erf_(x)); }
+  template <class T> T df(T x, T) const { return T(0.5) * (T(1) + erf_(x)) + x * pdf(x); }
+  template <class T> void fdf(T x, T& y, T& d) const {
+    const T e = erf_(x);
+    y = T(0.5) * x * (T(1) + e);
+    d = T(0.5) * (T(1) + e) + x * pdf(x);
   }
 };
 struct GeluTanhOp {  // 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3)
-  static constexpr bool kX = true, kY = false;
+  static constexpr bool kX = true, kY = false, kFdf = true;
   static constexpr double kC = 0.7978845608028654;  // sqrt(2 / pi)
-  template <class T> T f(T x) const { return T(0.5) * x * (T(1) + std::tanh(T(kC) * (x + T(0.044715) * x * x * x))); }
-  template <class T> T df(T x, T) const {
-    const T t = std::tanh(T(kC) * (x + T(0.044715) * x * x * x));
+  template <class T> static T th(T x) { return std::tanh(T(kC) * (x + T(0.044715) * x * x * x)); }
+  template <class T> static T dfrom(T x, T t) {
     return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * T(kC) * (T(1) + T(3 * 0.044715) * x * x);
   }
+  template <class T> T f(T x) const { return T(0.5) * x * (T(1) + th(x)); }
+  template <class T> T df(T x, T) const { return dfrom(x, th(x)); }
+  template <class T> void fdf(T x, T& y, T& d) const {
+    const T t = th(x);
+    y = T(0.5) * x * (T(1) + t);
+    d = dfrom(x, t);
+  }
+};
+// The backward of an op whose forward stored its derivative: dx = dy * d.
+struct SavedDerivOp {
+  static constexpr bool kX = true, kY = false;
+  template <class T> T df(T d, T) const { return d; }
 };
 struct AddScalarOp {
   double s;
@@ -125,6 +144,14 @@ template <class T, class Op>
 void unary_forward(const T* x, T* y, std::int64_t n, Op op) {
   parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t i = lo; i < hi; ++i) y[i] = op.f(x[i]);
+  });
+}
+
+// y = f(x) and d = f'(x) in one pass, for an op that is recorded (Op::kFdf).
+template <class T, class Op>
+void unary_forward_deriv(const T* x, T* y, T* d, std::int64_t n, Op op) {
+  parallel_for(n, 2 * n, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t i = lo; i < hi; ++i) op.fdf(x[i], y[i], d[i]);
   });
 }
 

@@ -146,8 +146,45 @@ Tensor binary(const char* name, const Tensor& a, const Tensor& b) {
 }
 
 template <class Op>
+constexpr bool has_fdf() {
+  if constexpr (requires { Op::kFdf; }) return Op::kFdf;
+  else return false;
+}
+
+// A unary op whose forward gives its derivative too: when recorded, d = f'(x) is saved instead of
+// x and the backward is dx = dy * d (the GELUs: their backward had recomputed erf and exp, or
+// tanh, per element; the saved tensor has x's size, so nothing more is held).
+template <class Op>
+Tensor unary_saving_deriv(const char* name, const Tensor& x, Op op) {
+  Tensor y = Tensor::empty(x.shape(), x.dtype());
+  Tensor d = Tensor::empty(x.shape(), x.dtype());
+  dispatch_float(name, x.dtype(), [&](auto z) {
+    using T = decltype(z);
+    unary_forward_deriv<T>(x.data<T>(), y.data<T>(), d.data<T>(), x.numel(), op);
+  });
+  record(
+      name, {&x}, {&y},
+      [](Node& n) {
+        const Tensor& dy = n.grad_out();
+        const void* dyp = dy.raw_data();  // before grad_dest_over, which may take dy's buffer
+        const DType dt = dy.dtype();
+        const std::int64_t count = dy.numel();
+        GradDest dx = n.grad_dest_over(0);
+        dispatch_float("backward", dt, [&](auto z) {
+          using T = decltype(z);
+          unary_backward<T>(n.saved[0].data<T>(), nullptr, static_cast<const T*>(dyp), dx.ptr<T>(), count,
+                            SavedDerivOp{}, dx.acc);
+        });
+      },
+      {d});
+  return y;
+}
+
+template <class Op>
 Tensor unary(const char* name, const Tensor& x, Op op) {
   detail::check_float(name, x);
+  if constexpr (has_fdf<Op>())
+    if (should_record({&x})) return unary_saving_deriv(name, x, op);
   Tensor y = Tensor::empty(x.shape(), x.dtype());
   dispatch_float(name, x.dtype(), [&](auto z) {
     using T = decltype(z);
