@@ -10,6 +10,7 @@
 
 #include "dispatch.h"
 #include "kernels/parallel.h"
+#include "pool.h"
 #include "tapegrad/ops.h"
 
 namespace tg {
@@ -74,6 +75,11 @@ void* Arena::allocate_slow(std::size_t bytes, std::size_t align) {
 }
 
 }  // namespace detail
+
+// ---- autograd slots (here, beside record_node and Node::release, which make and drop one per op) ----
+
+AutogradMeta* AutogradMeta::make(const Shape& s, DType d) { return detail::pool_new<AutogradMeta>(s, d); }
+void AutogradMeta::destroy(AutogradMeta* m) noexcept { detail::pool_delete(m); }
 
 // ---- Node ----
 
@@ -295,71 +301,6 @@ NoGradGuard::~NoGradGuard() { t_grad_enabled = prev_; }
 
 // ---- recording ----
 
-namespace detail {
-
-Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in, Tensor* const* outputs,
-                  std::size_t n_out, const Tensor* saved, std::size_t n_saved, std::size_t closure_bytes,
-                  std::size_t closure_align) {
-  using Meta = detail::Ref<AutogradMeta>;
-  static_assert(alignof(Meta) <= alignof(Tensor) && alignof(Shape) <= alignof(Tensor));
-  Tape& tp = tape();
-  // What can throw comes before anything is recorded: the outputs' slots, then the node (push may
-  // sweep, and a sweep that empties the tape resets the arena: so before the arena allocation),
-  // then the arena block, whose failure takes the still empty node back off the tape. The rest
-  // only copies handles and cannot throw.
-  if (n_in > UINT32_MAX || n_out > UINT32_MAX) fail(op, "too many inputs or outputs to record (", n_in, ", ", n_out, ")");
-  for (std::size_t i = 0; i < n_out; ++i) outputs[i]->ensure_meta();
-  Node& n = tp.push();
-  // One arena allocation for the four arrays and the closure: saved tensors first (the strictest
-  // alignment of the arrays), the closure last. Shapes are kept only for inputs without an
-  // autograd slot (the slot has the shape of the others).
-  std::size_t n_other = 0;
-  for (std::size_t i = 0; i < n_in; ++i) n_other += inputs[i]->requires_grad() ? 0 : 1;
-  const std::size_t arrays = n_saved * sizeof(Tensor) + (n_in + n_out) * sizeof(Meta) + n_other * sizeof(Shape);
-  const std::size_t closure_at = (arrays + closure_align - 1) & ~(closure_align - 1);  // alignments are powers of two
-  char* mem = nullptr;
-  try {
-    mem = static_cast<char*>(tp.arena().allocate(closure_at + closure_bytes, std::max(alignof(Tensor), closure_align)));
-  } catch (...) {
-    tp.discard_last();
-    throw;
-  }
-  auto* sv = reinterpret_cast<Tensor*>(mem);
-  auto* in = reinterpret_cast<Meta*>(mem + n_saved * sizeof(Tensor));
-  auto* out = in + n_in;
-  auto* shapes = reinterpret_cast<Shape*>(reinterpret_cast<char*>(out + n_out));
-  std::uint64_t undefined = 0;
-  for (std::size_t i = 0, k = 0; i < n_in; ++i) {
-    const Tensor* t = inputs[i];
-    if (t->requires_grad()) {
-      ::new (in + i) Meta(t->meta());
-    } else {
-      ::new (in + i) Meta();
-      ::new (shapes + k++) Shape(t->shape());
-      if (!t->defined() && i < 64) undefined |= std::uint64_t(1) << i;  // (an undefined tensor needs no grad)
-    }
-  }
-  for (std::size_t i = 0; i < n_saved; ++i) ::new (sv + i) Tensor(saved[i]);
-  const auto index = static_cast<std::int64_t>(tp.size()) - 1;
-  for (std::size_t i = 0; i < n_out; ++i) {
-    const auto& m = outputs[i]->meta();
-    m->requires_grad = true;
-    m->node = index;
-    m->generation = tp.generation();
-    ::new (out + i) Meta(m);
-  }
-  n.op = op;
-  n.saved = NodeArray<Tensor>(sv, n_saved);  // the slots follow: Node::slots() finds them from here
-  tp.note_saved(n.bytes_saved());  // free_node takes the same count back
-  n.n_in = static_cast<std::uint32_t>(n_in);
-  n.n_out = static_cast<std::uint32_t>(n_out);
-  n.n_other = static_cast<std::uint32_t>(n_other);
-  n.undefined_inputs = undefined;
-  n.backward.obj = mem + closure_at;  // raw memory until record_with constructs the closure
-  return n;
-}
-
-}  // namespace detail
 
 // ---- anomaly mode ----
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "per_thread.h"
+#include "pool.h"
 #include "tapegrad/tensor.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -74,15 +75,10 @@ struct LocalLists {
   }
   static LocalLists* mine() { return detail::per_thread<LocalLists>(); }
 };
-}  // namespace
 
-Storage::Storage(std::size_t n) : nbytes(n) {
-#if TG_CACHE_ENABLED
-  if (n <= kInlineBytes) {
-    data = inline_data;
-    return;
-  }
-#endif
+// A block of n > kInlineBytes bytes: this thread's list, the shared cache, or the system.
+[[gnu::noinline]] void* allocate_block(std::size_t n) {
+  void* data = nullptr;
   const std::size_t size = rounded(n);
 #if TG_CACHE_ENABLED
   if (LocalLists* local = size <= kLocalMax ? LocalLists::mine() : nullptr) {
@@ -91,7 +87,7 @@ Storage::Storage(std::size_t n) : nbytes(n) {
       data = mine.back();
       mine.pop_back();
       local->bytes -= size;
-      return;
+      return data;
     }
   }
   {
@@ -102,17 +98,18 @@ Storage::Storage(std::size_t n) : nbytes(n) {
       data = blocks.back();
       blocks.pop_back();
       c.bytes -= size;
-      return;
+      return data;
     }
   }
 #endif
   data = std::aligned_alloc(kAlign, size);
   if (!data) throw std::bad_alloc();
+  return data;
 }
 
-Storage::~Storage() {
+// Gives a block from allocate_block back (to this thread's list, the shared cache or the system).
+[[gnu::noinline]] void free_block(void* data, [[maybe_unused]] std::size_t nbytes) noexcept {
 #if TG_CACHE_ENABLED
-  if (data == inline_data) return;
   const std::size_t size = rounded(nbytes);
   if (LocalLists* local = size <= kLocalMax ? LocalLists::mine() : nullptr) {
     if (local->bytes + size <= kLocalBytes) {
@@ -138,6 +135,69 @@ Storage::~Storage() {
 #endif
   std::free(data);
 }
+
+}  // namespace
+
+// Small, so that Storage::make and Tensor::empty below inline them: the common small tensor is one
+// pool pop and a few stores.
+Storage::Storage(std::size_t n) : nbytes(n) {
+#if TG_CACHE_ENABLED
+  if (n <= kInlineBytes) {
+    data = inline_data;
+    return;
+  }
+#endif
+  data = allocate_block(n);
+}
+
+Storage::~Storage() {
+#if TG_CACHE_ENABLED
+  if (data == inline_data) return;
+#endif
+  free_block(data, nbytes);
+}
+
+// Tensor::empty is here with the Storage constructor, which it inlines (one call per op saved).
+Storage* Storage::make(std::size_t nbytes) { return detail::pool_new<Storage>(nbytes); }
+void Storage::destroy(Storage* s) noexcept { detail::pool_delete(s); }
+
+namespace {
+// The shape's byte count, refusing negative dimensions and sizes beyond 1 TiB before anything is
+// allocated (and before the count could overflow): no machine this runs on has that much memory,
+// and the allocator's own failure is a less helpful message (or, under AddressSanitizer, an abort).
+std::size_t checked_bytes(const char* op, const Shape& s, std::size_t itemsize) {
+  constexpr std::uint64_t kMax = std::uint64_t(1) << 40;
+  // Fast path: at most two dimensions, each in [1, 2^16]: at most 2^35 bytes, under the limit.
+  if (s.ndim() <= 2) {
+    const std::uint64_t d0 = s.ndim() > 0 ? static_cast<std::uint64_t>(s[0]) - 1 : 0;
+    const std::uint64_t d1 = s.ndim() > 1 ? static_cast<std::uint64_t>(s[1]) - 1 : 0;
+    if ((d0 | d1) < (std::uint64_t(1) << 16)) return itemsize * (d0 + 1) * (d1 + 1);
+  }
+  std::uint64_t n = itemsize;
+  bool negative = false, zero = false, big = false;
+  for (std::int64_t d : s) {
+    negative = negative || d < 0;
+    zero = zero || d == 0;
+    if (d > 0 && !big) big = __builtin_mul_overflow(n, static_cast<std::uint64_t>(d), &n) || n > kMax;
+  }
+  if (negative) fail(op, "negative dimension in shape ", s);
+  if (zero) return 0;
+  if (big) fail(op, "shape ", s, " is too large (over 1 TiB)");
+  return static_cast<std::size_t>(n);
+}
+}  // namespace
+
+Tensor Tensor::empty(const Shape& shape, DType dtype) {
+  const std::size_t bytes = checked_bytes("empty", shape, itemsize(dtype));
+  detail::Ref<Storage> st;
+  try {
+    st = detail::Ref<Storage>(Storage::make(bytes));
+  } catch (const std::bad_alloc&) {
+    fail("empty", "out of memory allocating ", bytes, " bytes for ", dtype, " ", shape);
+  }
+  return Tensor(std::move(st), shape, dtype);
+}
+
 
 std::size_t cached_bytes() {
   Cache& c = cache();

@@ -7,6 +7,7 @@
 
 #include "dispatch.h"
 #include "per_thread.h"
+#include "pool.h"
 #include "tapegrad/autograd.h"
 #include "tapegrad/ops.h"
 
@@ -15,119 +16,8 @@ namespace tg {
 namespace {
 std::atomic<std::uint32_t> next_meta_id{1};
 
-// Recycles the small fixed-size blocks of the objects behind a Tensor (a Storage, an AutogradMeta, a
-// gradient's Tensor) through a per-thread free list. A training step makes and drops a few hundred
-// of each; a chain of 10^5 small ops, 10^5. Through malloc, the freed tail of the heap is trimmed
-// back to the system and faulted in again on the next step, which cost more than the ops.
-// A block freed on another thread joins that thread's list (any block fits any list of its size);
-// each list keeps at most kPoolMax blocks and frees the rest.
-// A thread's list is freed when the thread ends; a block dropped after that (a tensor held in a
-// static, or by another thread_local) goes straight to the heap, as every block does under
-// AddressSanitizer (so use-after-free stays detectable).
-// The free blocks are an intrusive list (each free block holds the next one's address): a push or
-// a pop is two moves and a count, with nothing to grow.
-template <std::size_t Size, std::size_t Align>
-struct BlockPool {
-  static_assert(Size >= sizeof(void*));
-  static constexpr std::size_t kPoolMax = std::size_t(1) << 18;
-  void* head = nullptr;
-  std::size_t count = 0;
-  ~BlockPool() {
-    while (head) {
-      void* p = head;
-      head = *static_cast<void**>(p);
-      release(p);
-    }
-  }
-  static void* get() {
-    if constexpr (Align > __STDCPP_DEFAULT_NEW_ALIGNMENT__) return ::operator new(Size, std::align_val_t(Align));
-    else return ::operator new(Size);
-  }
-  static void release(void* p) {
-    if constexpr (Align > __STDCPP_DEFAULT_NEW_ALIGNMENT__) ::operator delete(p, std::align_val_t(Align));
-    else ::operator delete(p);
-  }
-  static BlockPool* mine() { return detail::per_thread<BlockPool>(); }
-};
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kPoolOn = false;
-#else
-constexpr bool kPoolOn = true;
-#endif
-
-// Raw memory for one T, and its return.
-template <class T>
-T* pool_allocate() {
-  using Pool = BlockPool<sizeof(T), alignof(T)>;
-  auto* pool = kPoolOn ? Pool::mine() : nullptr;
-  if (!pool || !pool->head) return static_cast<T*>(Pool::get());
-  void* p = pool->head;
-  pool->head = *static_cast<void**>(p);
-  --pool->count;
-  return static_cast<T*>(p);
-}
-template <class T>
-void pool_deallocate(T* p) noexcept {
-  using Pool = BlockPool<sizeof(T), alignof(T)>;
-  auto* pool = kPoolOn ? Pool::mine() : nullptr;
-  if (!pool || pool->count >= Pool::kPoolMax) return Pool::release(p);
-  *reinterpret_cast<void**>(p) = pool->head;
-  pool->head = p;
-  ++pool->count;
-}
-
-// A T built in pooled memory, the memory given back if its constructor throws.
-template <class T, class... Args>
-T* pool_new(Args&&... args) {
-  T* mem = pool_allocate<T>();
-  try {
-    return ::new (mem) T(std::forward<Args>(args)...);
-  } catch (...) {
-    pool_deallocate(mem);
-    throw;
-  }
-}
-template <class T>
-void pool_delete(T* p) noexcept {
-  p->~T();
-  pool_deallocate(p);
-}
-
-// The shape's byte count, refusing negative dimensions and sizes beyond 1 TiB before anything is
-// allocated (and before the count could overflow): no machine this runs on has that much memory,
-// and the allocator's own failure is a less helpful message (or, under AddressSanitizer, an abort).
-std::size_t checked_bytes(const char* op, const Shape& s, std::size_t itemsize) {
-  constexpr std::uint64_t kMax = std::uint64_t(1) << 40;
-  // Fast path: at most two dimensions, each in [1, 2^16]: at most 2^35 bytes, under the limit.
-  if (s.ndim() <= 2) {
-    const std::uint64_t d0 = s.ndim() > 0 ? static_cast<std::uint64_t>(s[0]) - 1 : 0;
-    const std::uint64_t d1 = s.ndim() > 1 ? static_cast<std::uint64_t>(s[1]) - 1 : 0;
-    if ((d0 | d1) < (std::uint64_t(1) << 16)) return itemsize * (d0 + 1) * (d1 + 1);
-  }
-  std::uint64_t n = itemsize;
-  bool negative = false, zero = false, big = false;
-  for (std::int64_t d : s) {
-    negative = negative || d < 0;
-    zero = zero || d == 0;
-    if (d > 0 && !big) big = __builtin_mul_overflow(n, static_cast<std::uint64_t>(d), &n) || n > kMax;
-  }
-  if (negative) fail(op, "negative dimension in shape ", s);
-  if (zero) return 0;
-  if (big) fail(op, "shape ", s, " is too large (over 1 TiB)");
-  return static_cast<std::size_t>(n);
-}
 }  // namespace
 
-Tensor Tensor::empty(const Shape& shape, DType dtype) {
-  const std::size_t bytes = checked_bytes("empty", shape, itemsize(dtype));
-  detail::Ref<Storage> st;
-  try {
-    st = detail::Ref<Storage>(Storage::make(bytes));
-  } catch (const std::bad_alloc&) {
-    fail("empty", "out of memory allocating ", bytes, " bytes for ", dtype, " ", shape);
-  }
-  return Tensor(std::move(st), shape, dtype);
-}
 
 std::int64_t Tensor::size(int d) const { return shape_[detail::norm_axis("size", d, dim(), shape_)]; }
 
@@ -175,15 +65,8 @@ void Tensor::set(std::initializer_list<std::int64_t> idx, double v) {
 
 // ---- autograd slot ----
 
-Storage* Storage::make(std::size_t nbytes) { return pool_new<Storage>(nbytes); }
-void Storage::destroy(Storage* s) noexcept { pool_delete(s); }
-AutogradMeta* AutogradMeta::make(const Shape& s, DType d) { return pool_new<AutogradMeta>(s, d); }
-void AutogradMeta::destroy(AutogradMeta* m) noexcept { pool_delete(m); }
-
-detail::Ref<AutogradMeta>& Tensor::ensure_meta() {
-  if (!meta_) meta_ = detail::Ref<AutogradMeta>(AutogradMeta::make(shape_, dtype_));
-  return meta_;
-}
+// Storage::make / destroy are in storage.cpp and AutogradMeta::make / destroy in autograd.cpp,
+// beside the code that calls them per recorded op, where the compiler can inline them.
 
 Tensor& Tensor::requires_grad_(bool on) {
   if (!defined()) fail("requires_grad_", "tensor is undefined");
@@ -243,14 +126,14 @@ Tensor& GradSlot::set(Tensor t) {
     *p_ = std::move(t);
     return *p_;
   }
-  p_ = pool_new<Tensor>(std::move(t));  // a move: cannot throw after the allocation
+  p_ = detail::pool_new<Tensor>(std::move(t));  // a move: cannot throw after the allocation
   return *p_;
 }
 
 void GradSlot::release() {
   Tensor* p = p_;
   p_ = nullptr;
-  pool_delete(p);
+  detail::pool_delete(p);
 }
 
 }  // namespace detail

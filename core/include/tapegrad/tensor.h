@@ -104,7 +104,7 @@ class Tensor {
 
   // Internal: the autograd slot (may be null) and construction from parts.
   const detail::Ref<AutogradMeta>& meta() const { return meta_; }
-  detail::Ref<AutogradMeta>& ensure_meta();
+  inline detail::Ref<AutogradMeta>& ensure_meta();
   // Internal: makes this tensor undefined, as Tensor() (without building one to move in).
   void reset() {
     storage_.reset();
@@ -221,6 +221,10 @@ template <class T> const T* Tensor::data() const {
   return static_cast<const T*>(storage_->data);
 }
 inline bool Tensor::requires_grad() const { return meta_ && meta_->requires_grad; }
+inline detail::Ref<AutogradMeta>& Tensor::ensure_meta() {
+  if (!meta_) meta_ = detail::Ref<AutogradMeta>(AutogradMeta::make(shape_, dtype_));
+  return meta_;
+}
 template <class T> std::vector<T> Tensor::to_vector() const {
   std::vector<T> out(static_cast<std::size_t>(numel()));
   const void* p = raw_data();
