@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <sstream>
 #include <stdexcept>
+#include <type_traits>
 
 #include "helpers.h"
 
@@ -177,10 +178,13 @@ TEST_CASE("two graphs on one tape: backward of one leaves the other usable") {
 
 TEST_CASE("a node keeps its arrays in one arena block, and a freed node's arrays read as empty") {
   // What a long graph costs in memory per op: a node of 64 bytes and an autograd slot of 128 (its
-  // gradient out of line), not 112 and 232 as with a (pointer, length) pair per array and the
-  // gradient inline. Growing either is a deliberate change: see docs/tape.md.
+  // gradient out of line, its reference count inside), not 112 and 232 as with a (pointer, length)
+  // pair per array and the gradient inline; a Tensor handle of 96 (two one-word Refs, not two
+  // two-word shared_ptrs). Growing any is a deliberate change: see docs/tape.md.
   STATIC_REQUIRE(sizeof(Node) <= 64);
   STATIC_REQUIRE(sizeof(AutogradMeta) <= 128);
+  STATIC_REQUIRE(sizeof(Tensor) <= 96);
+  STATIC_REQUIRE(std::is_trivially_copyable_v<Node>);
   tape().clear();
   Tensor x = tensor({1, 2}, {2}, float64).requires_grad_();
   Tensor c = tensor({4, 5}, {2}, float64);
