@@ -145,6 +145,22 @@ Tensor binary(const char* name, const Tensor& a, const Tensor& b) {
   return y;
 }
 
+// The backward of a recorded unary op: dx (+)= dy * op.df(x, y), x and y read from the node's
+// saved tensors (saved_ptr<SaveX, SaveY, ...>: null when not saved).
+template <bool SaveX, bool SaveY, class Op>
+void unary_node_backward(Node& n, Op op) {
+  const Tensor& dy = n.grad_out();
+  const void* dyp = dy.raw_data();  // before grad_dest_over, which may take dy's buffer
+  const DType dt = dy.dtype();
+  const std::int64_t count = dy.numel();
+  GradDest dx = n.grad_dest_over(0);
+  dispatch_float("backward", dt, [&](auto z) {
+    using T = decltype(z);
+    unary_backward<T>(saved_ptr<SaveX, SaveY, 0, T>(n), saved_ptr<SaveX, SaveY, 1, T>(n), static_cast<const T*>(dyp),
+                      dx.ptr<T>(), count, op, dx.acc);
+  });
+}
+
 template <class Op>
 constexpr bool has_fdf() {
   if constexpr (requires { Op::kFdf; }) return Op::kFdf;
@@ -162,21 +178,7 @@ Tensor unary_saving_deriv(const char* name, const Tensor& x, Op op) {
     using T = decltype(z);
     unary_forward_deriv<T>(x.data<T>(), y.data<T>(), d.data<T>(), x.numel(), op);
   });
-  record(
-      name, {&x}, {&y},
-      [](Node& n) {
-        const Tensor& dy = n.grad_out();
-        const void* dyp = dy.raw_data();  // before grad_dest_over, which may take dy's buffer
-        const DType dt = dy.dtype();
-        const std::int64_t count = dy.numel();
-        GradDest dx = n.grad_dest_over(0);
-        dispatch_float("backward", dt, [&](auto z) {
-          using T = decltype(z);
-          unary_backward<T>(n.saved[0].data<T>(), nullptr, static_cast<const T*>(dyp), dx.ptr<T>(), count,
-                            SavedDerivOp{}, dx.acc);
-        });
-      },
-      {d});
+  record(name, {&x}, {&y}, [](Node& n) { unary_node_backward<true, false>(n, SavedDerivOp{}); }, {d});
   return y;
 }
 
@@ -192,20 +194,7 @@ Tensor unary(const char* name, const Tensor& x, Op op) {
   });
   if (should_record({&x})) {
     record_saving<Op::kX, Op::kY>(
-        name, &x, nullptr, &y,
-        [op](Node& n) {
-          const Tensor& dy = n.grad_out();
-          const void* dyp = dy.raw_data();  // before grad_dest_over, which may take dy's buffer
-          const DType dt = dy.dtype();
-          const std::int64_t count = dy.numel();
-          GradDest dx = n.grad_dest_over(0);
-          dispatch_float("backward", dt, [&](auto z) {
-            using T = decltype(z);
-            unary_backward<T>(saved_ptr<Op::kX, Op::kY, 0, T>(n), saved_ptr<Op::kX, Op::kY, 1, T>(n),
-                              static_cast<const T*>(dyp), dx.ptr<T>(), count, op, dx.acc);
-          });
-        },
-        x, y);
+        name, &x, nullptr, &y, [op](Node& n) { unary_node_backward<Op::kX, Op::kY>(n, op); }, x, y);
   }
   return y;
 }
