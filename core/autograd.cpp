@@ -76,7 +76,8 @@ void* Arena::allocate_slow(std::size_t bytes, std::size_t align) {
 
 }  // namespace detail
 
-// ---- autograd slots (here, beside record_node and Node::release, which make and drop one per op) ----
+// ---- autograd slots: made by record_node (inline in each op's file, through ensure_meta) and
+// dropped by Node::release (here, where destroy inlines) ----
 
 AutogradMeta* AutogradMeta::make(const Shape& s, DType d) { return detail::pool_new<AutogradMeta>(s, d); }
 void AutogradMeta::destroy(AutogradMeta* m) noexcept { detail::pool_delete(m); }

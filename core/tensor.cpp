@@ -65,8 +65,8 @@ void Tensor::set(std::initializer_list<std::int64_t> idx, double v) {
 
 // ---- autograd slot ----
 
-// Storage::make / destroy are in storage.cpp and AutogradMeta::make / destroy in autograd.cpp,
-// beside the code that calls them per recorded op, where the compiler can inline them.
+// Storage::make / destroy are in storage.cpp, beside Tensor::empty, which inlines make;
+// AutogradMeta::make / destroy in autograd.cpp, beside Node::release, which inlines destroy.
 
 Tensor& Tensor::requires_grad_(bool on) {
   if (!defined()) fail("requires_grad_", "tensor is undefined");

@@ -1,10 +1,12 @@
 // Elementwise ops: add/sub/mul/div with NumPy broadcasting, their scalar forms and operators, and
 // the unary ops. Forward values against std:: math in float32 and float64, float64 gradchecks
 // (broadcasting cases included), and the errors.
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <numbers>
 #include <sstream>
+#include <string>
 
 #include "helpers.h"
 
@@ -589,4 +591,38 @@ TEST_CASE("large tensors (parallel kernels) give the same values and gradients")
   CHECK(values_ok);
   CHECK(grads_ok);
   check_close(row.grad(), want_gr);
+}
+
+TEST_CASE("a recorded GELU gives the same bits as an unrecorded one, and its saved derivative is the derivative") {
+  // Recorded, the GELUs compute f and f' in one pass and save f' (unary_forward_deriv); the output
+  // must not depend on whether the op is recorded, and the backward must be dy * f'(x).
+  for (const char* approx : {"none", "tanh"}) {
+    for (DType dt : {float32, float64}) {
+      INFO(approx << " " << dt);
+      Tensor x = (randn({257}, dt) * 3.0).detach();
+      Tensor plain;
+      {
+        NoGradGuard no_grad;
+        plain = gelu(x, approx);
+      }
+      Tensor xr = x.clone().requires_grad_();
+      Tensor y = gelu(xr, approx);
+      CHECK(y.to_vector<double>() == plain.to_vector<double>());
+      Tensor dy = randn({257}, dt);
+      y.backward(dy);
+      const auto g = xr.grad().to_vector<double>(), xv = x.to_vector<double>(), dv = dy.to_vector<double>();
+      const double tol = dt == float32 ? 2e-6 : 1e-12;  // fast_erf / fast_exp are float-accurate
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        const double a = xv[i];
+        double d;
+        if (std::string(approx) == "none") {
+          d = 0.5 * (1 + std::erf(a / std::numbers::sqrt2)) + a * std::exp(-0.5 * a * a) / std::sqrt(2 * std::numbers::pi);
+        } else {
+          const double c = std::sqrt(2 / std::numbers::pi), t = std::tanh(c * (a + 0.044715 * a * a * a));
+          d = 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * c * (1 + 3 * 0.044715 * a * a);
+        }
+        CHECK(g[i] == Approx(dv[i] * d).margin(tol * (1 + std::abs(dv[i] * d))));
+      }
+    }
+  }
 }

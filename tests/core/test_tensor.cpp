@@ -230,3 +230,29 @@ TEST_CASE("tensor handles can be copied and dropped from several threads at once
   CHECK(w.meta().use_count() == 1);
   CHECK(w.sole_owner());
 }
+
+TEST_CASE("tensors and graphs made on one thread can be dropped on another") {
+  // Their blocks (storage, slot, small data) join the pools of the thread that frees them, or the
+  // heap once that thread's pools are gone; nothing may be freed twice or leak (AddressSanitizer
+  // and LeakSanitizer watch the sanitizer build).
+  std::vector<Tensor> made;
+  std::thread maker([&made] {
+    Tensor w = randn({8}).requires_grad_();
+    for (int i = 0; i < 2000; ++i) made.push_back(w * static_cast<double>(i) + 1.0);  // recorded on this thread's tape
+    made.push_back(randn({4096}));                                                  // a cached block, too
+  });
+  maker.join();  // the maker's tape and pools are gone; its tensors are still valid
+  CHECK(made[1999].at({0}) == Approx(made[1].at({0}) + 1998 * (made[1].at({0}) - 1.0)));
+  made.clear();
+
+  std::vector<Tensor> handed;
+  for (int i = 0; i < 2000; ++i) handed.push_back(full({i % 20 + 1}, static_cast<double>(i)));
+  double seen = 0;
+  std::thread dropper([&handed, &seen] {
+    for (const Tensor& t : handed) seen += t.at({0});
+    handed.clear();  // freed here, allocated on the main thread
+  });
+  dropper.join();
+  CHECK(handed.empty());
+  CHECK(seen == 1999.0 * 2000.0 / 2.0);
+}

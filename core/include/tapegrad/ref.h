@@ -9,6 +9,7 @@
 //   std::atomic<std::uint32_t> refs;   // starts at 1: Ref(T*) adopts that first reference
 //   static void destroy(T*) noexcept;  // runs when the last Ref lets go (returns the block)
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 
 namespace tg::detail {
@@ -51,6 +52,9 @@ class Ref {
   // The number of Refs to the object (0 for a null Ref); exact only while no other thread copies
   // or drops one, as shared_ptr::use_count.
   long use_count() const { return p_ ? static_cast<long>(p_->refs.load(std::memory_order_relaxed)) : 0; }
+  // This is the only Ref to the object: the caller may write to it. An acquire load, so that other
+  // threads' uses before they dropped their Refs (release) happen before the caller's writes.
+  bool unique() const { return p_ && p_->refs.load(std::memory_order_acquire) == 1; }
   friend bool operator==(const Ref& a, const Ref& b) { return a.p_ == b.p_; }
   friend bool operator==(const Ref& a, std::nullptr_t) { return a.p_ == nullptr; }
 

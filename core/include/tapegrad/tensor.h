@@ -113,7 +113,7 @@ class Tensor {
     dtype_ = DType::f32;
   }
   // Internal: no other tensor shares this one's memory.
-  bool sole_owner() const { return storage_ && storage_.use_count() == 1; }
+  bool sole_owner() const { return storage_.unique(); }
   // Internal: the same storage under another shape of equal numel, without autograd history.
   Tensor alias(const Shape& shape) const { return Tensor(storage_, shape, dtype_); }
   Tensor(detail::Ref<Storage> s, const Shape& shape, DType dtype)
@@ -132,7 +132,7 @@ namespace detail {
 // A gradient held out of line by its autograd slot: a pointer to a Tensor (from a per-thread
 // pool of Tensor-sized blocks, see core/pool.h), null when there is no gradient. A recorded op's
 // slot lives until its node is freed, and most never hold a gradient outside a backward pass, so
-// keeping the 96-byte Tensor out of the slot keeps it at 128 bytes (224 with it inline), and the
+// keeping the 96-byte Tensor out of the slot keeps it at 128 bytes (216 with it inline), and the
 // memory a long graph walks with it. Moving a GradSlot moves the pointer: a
 // gradient handed from an op's output to its input (Node::grad_dest_over) copies nothing.
 class GradSlot {
