@@ -300,9 +300,6 @@ std::string Tape::to_dot() const {
 NoGradGuard::NoGradGuard() : prev_(t_grad_enabled) { t_grad_enabled = false; }
 NoGradGuard::~NoGradGuard() { t_grad_enabled = prev_; }
 
-// ---- recording ----
-
-
 // ---- anomaly mode ----
 
 namespace {
