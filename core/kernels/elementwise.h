@@ -72,17 +72,16 @@ struct ReluOp {  // 1 where x > 0, else 0 (0 at 0, as PyTorch); NaN stays NaN
   template <class T> T f(T x) const { return x < 0 ? T(0) : x; }
   template <class T> T df(T x, T) const { return x > 0 ? T(1) : T(0); }
 };
-// The GELUs also give f and df together (fdf): when the op is recorded, the forward stores df(x)
-// in place of x, sharing the erf (or tanh) between the two, and the backward is one multiply
-// (see unary_forward_deriv). The same formulas either way, so the same bits.
+// The GELUs give f alone (unrecorded) or f and its derivative together (fdf): a recorded GELU
+// saves df(x) in place of x, sharing the erf (or tanh) between the two, and its backward is one
+// multiply (see unary_forward_deriv). y is the same formula either way, so the same bits.
 struct GeluErfOp {  // x Phi(x); d/dx = Phi(x) + x phi(x), phi the standard normal density
-  static constexpr bool kX = true, kY = false, kFdf = true;
+  static constexpr bool kFdf = true;
   template <class T> static T erf_(T x) { return fast_erf(x * T(std::numbers::sqrt2 / 2)); }
   template <class T> static T pdf(T x) {
     return fast_exp(T(-0.5) * x * x) * T(0.5 * std::numbers::inv_sqrtpi * std::numbers::sqrt2);
   }
   template <class T> T f(T x) const { return T(0.5) * x * (T(1) + erf_(x)); }
-  template <class T> T df(T x, T) const { return T(0.5) * (T(1) + erf_(x)) + x * pdf(x); }
   template <class T> void fdf(T x, T& y, T& d) const {
     const T e = erf_(x);
     y = T(0.5) * x * (T(1) + e);
@@ -90,14 +89,13 @@ struct GeluErfOp {  // x Phi(x); d/dx = Phi(x) + x phi(x), phi the standard norm
   }
 };
 struct GeluTanhOp {  // 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3)
-  static constexpr bool kX = true, kY = false, kFdf = true;
+  static constexpr bool kFdf = true;
   static constexpr double kC = 0.7978845608028654;  // sqrt(2 / pi)
   template <class T> static T th(T x) { return std::tanh(T(kC) * (x + T(0.044715) * x * x * x)); }
   template <class T> static T dfrom(T x, T t) {
     return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * T(kC) * (T(1) + T(3 * 0.044715) * x * x);
   }
   template <class T> T f(T x) const { return T(0.5) * x * (T(1) + th(x)); }
-  template <class T> T df(T x, T) const { return dfrom(x, th(x)); }
   template <class T> void fdf(T x, T& y, T& d) const {
     const T t = th(x);
     y = T(0.5) * x * (T(1) + t);

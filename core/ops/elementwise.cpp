@@ -169,7 +169,8 @@ constexpr bool has_fdf() {
 
 // A unary op whose forward gives its derivative too: when recorded, d = f'(x) is saved instead of
 // x and the backward is dx = dy * d (the GELUs: their backward had recomputed erf and exp, or
-// tanh, per element; the saved tensor has x's size, so nothing more is held).
+// tanh, per element). d has x's size: the same bytes held where nothing else holds x (a Linear's
+// output in an MLP), one more buffer where something does.
 template <class Op>
 Tensor unary_saving_deriv(const char* name, const Tensor& x, Op op) {
   Tensor y = Tensor::empty(x.shape(), x.dtype());
@@ -192,9 +193,10 @@ Tensor unary(const char* name, const Tensor& x, Op op) {
     using T = decltype(z);
     unary_forward<T>(x.data<T>(), y.data<T>(), x.numel(), op);
   });
-  if (should_record({&x})) {
-    record_saving<Op::kX, Op::kY>(
-        name, &x, nullptr, &y, [op](Node& n) { unary_node_backward<Op::kX, Op::kY>(n, op); }, x, y);
+  if constexpr (!has_fdf<Op>()) {
+    if (should_record({&x}))
+      record_saving<Op::kX, Op::kY>(
+          name, &x, nullptr, &y, [op](Node& n) { unary_node_backward<Op::kX, Op::kY>(n, op); }, x, y);
   }
   return y;
 }

@@ -295,7 +295,7 @@ namespace detail {
 // Appends the node (inputs, outputs, saved tensors) with closure_bytes of the tape's arena, at
 // closure_align, for its backward closure in node.backward.obj; record_with() constructs it there.
 // Inline, so that at each op's call site the counts and sizes are constants and its loops fold
-// away (out of line it took twice the instructions: a fifth of a small recorded op).
+// away (the chain of small ops: 924 -> 907 instructions per op, callgrind).
 inline Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in, Tensor* const* outputs,
                          std::size_t n_out, const Tensor* saved, std::size_t n_saved, std::size_t closure_bytes,
                          std::size_t closure_align) {
