@@ -1,0 +1,89 @@
+// Run-time instruction-set selection; isa.h says what each level means.
+#include "kernels/isa.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "tapegrad/error.h"
+
+namespace tg::kernels {
+
+namespace {
+
+constexpr Isa kLevels[] = {Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16};
+
+// -1 until the first isa() or set_isa(); then the level, as an int.
+std::atomic<int> g_isa{-1};
+
+std::string supported_list() {
+  std::string s;
+  for (Isa l : kLevels)
+    if (cpu_supports(l)) s += std::string(s.empty() ? "" : ", ") + isa_name(l);
+  return s;
+}
+
+Isa from_env() {
+  const char* v = std::getenv("TAPEGRAD_ISA");
+  if (!v || !*v) return best_isa();
+  for (Isa l : kLevels)
+    if (std::strcmp(v, isa_name(l)) == 0) {
+      if (!cpu_supports(l))
+        fail("TAPEGRAD_ISA", "this CPU cannot run '", v, "' (it supports: ", supported_list(), ")");
+      return l;
+    }
+  fail("TAPEGRAD_ISA", "unknown instruction set '", v, "' (expected portable, avx2, avx512 or avx512_bf16)");
+}
+
+}  // namespace
+
+bool cpu_supports(Isa level) {
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+  // __builtin_cpu_supports reads cpuid once at start-up and, for AVX and AVX-512, also checks
+  // (XGETBV) that the operating system saves the ymm / zmm registers.
+  switch (level) {
+    case Isa::portable: return true;
+    case Isa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::avx512: return cpu_supports(Isa::avx2) && __builtin_cpu_supports("avx512f");
+    case Isa::avx512_bf16: return cpu_supports(Isa::avx512) && __builtin_cpu_supports("avx512bf16");
+  }
+  return false;
+#else
+  return level == Isa::portable;
+#endif
+}
+
+Isa best_isa() {
+  Isa best = Isa::portable;
+  for (Isa l : kLevels)
+    if (cpu_supports(l)) best = l;
+  return best;
+}
+
+Isa isa() {
+  int v = g_isa.load(std::memory_order_relaxed);
+  if (v < 0) {  // first call: every thread that races here computes the same value
+    v = static_cast<int>(from_env());
+    g_isa.store(v, std::memory_order_relaxed);
+  }
+  return static_cast<Isa>(v);
+}
+
+void set_isa(Isa level) {
+  if (!cpu_supports(level))
+    fail("set_isa", "this CPU cannot run '", isa_name(level), "' (it supports: ", supported_list(), ")");
+  g_isa.store(static_cast<int>(level), std::memory_order_relaxed);
+}
+
+const char* isa_name(Isa level) {
+  switch (level) {
+    case Isa::portable: return "portable";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+    case Isa::avx512_bf16: return "avx512_bf16";
+  }
+  return "?";
+}
+
+}  // namespace tg::kernels
