@@ -11,8 +11,8 @@ namespace tg::detail {
 // Blocks of the objects behind a Tensor (a Storage, an AutogradMeta, a gradient's Tensor) are
 // recycled through a per-thread free list per block size. A training step makes and drops a few
 // hundred of each; a chain of 10^5 small ops, 10^5. Through malloc, the freed tail of the heap is
-// trimmed back to the system and faulted in again on the next step, which cost more than the ops. A
-// block freed on another thread joins that thread's list (any block fits any list of its size);
+// trimmed back to the system and faulted in again on the next step, which costs more than the ops.
+// A block freed on another thread joins that thread's list (any block fits any list of its size);
 // each list keeps at most kPoolMax blocks and frees the rest. A thread's list is freed when the
 // thread ends; a block dropped after that (a tensor held in a static, or by another thread_local)
 // goes straight to the heap, as every block does under AddressSanitizer (so use-after-free stays

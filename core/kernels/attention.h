@@ -2,9 +2,9 @@
 // Fused multi-head causal self-attention over a packed qkv activation, without copies.
 //
 // qkv (B, T, 3C) holds q, k, v side by side; head h of q is the column block [h hs, (h+1) hs) of
-// the first C columns, k and v the same blocks of the next two. BLAS reads those blocks in place
-// through the leading dimension 3C, and writes y (B, T, C) through leading dimension C, so the
-// split, permute and merge of the composite version cost nothing. Per (batch, head):
+// the first C columns, k and v the same blocks of the next two. The products read those blocks in
+// place through the leading dimension 3C and write y (B, T, C) through leading dimension C, so
+// the split, permute and merge of the composite version cost nothing. Per (batch, head):
 //   S = q k^T * scale (T, T);  P = causal softmax(S) (saved);  y = P v.
 // Backward, with dY the head's block of dy:
 //   dP = dY v^T;  dv += P^T dY;  dS = scale * P * (dP - rowsum(dP * P));  dq += dS k;  dk += dS^T q.

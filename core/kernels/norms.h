@@ -168,9 +168,10 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
   const T* gg = g ? g : ones.data();
   // The parameter sums run over blocks of kRowBlock rows: within a block in T (vector-wide
   // multiply-adds into a row of L1), then each block's sums into the thread's double partials.
-  // Summing every row into the double partials directly cost a fifth of the backward's time on
-  // (8192, 768) (a conversion and a double multiply-add per element); a block of 16 float terms
-  // loses at most about 16 float roundings before the double sum takes over.
+  // Summing every row into the double partials directly costs a conversion and a double
+  // multiply-add per element, a large share of a memory-bound backward (docs/performance.md);
+  // a block of 16 float terms loses at most about 16 float roundings before the double sum
+  // takes over.
   constexpr std::int64_t kRowBlock = 16;
   const std::int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   // The AVX2 path (rms_avx2.h) for float rows it fits; dx streamed past the caches when large.
@@ -371,7 +372,7 @@ void causal_softmax_row(const T* xr, T* yr, std::int64_t i, std::int64_t width, 
   // whose exact product differs from the rounded m, and at large scales that difference alone
   // overflows exp.
   // Each step is its own loop so that it vectorises (row_max, exp_shifted): one loop with a
-  // running sum kept fast_exp scalar.
+  // running sum keeps fast_exp scalar.
   const std::int64_t n = i + 1;
   for (std::int64_t j = 0; j < n; ++j) yr[j] = sc * xr[j];
   const T m = row_max(yr, n);

@@ -72,9 +72,9 @@ void fill_zero(T* x, std::int64_t n) {
 // f(std::true_type) or f(std::false_type): a run-time flag as a compile-time one, so that each
 // variant of a loop is its own plain, vectorisable loop (a flag tested inside a loop, above all
 // one guarding a store, keeps GCC from vectorising it).
-// Always inlined: called out of line, a small kernel's captures were stored by the caller and read
-// back at once by the callee with one wide load that store forwarding cannot serve (a stall of ~15
-// cycles per call, a tenth of the time of a recorded op on four elements).
+// Always inlined: called out of line, the caller stores a small kernel's captures and the callee
+// reads them back at once with one wide load that store forwarding cannot serve, a stall on every
+// call that is a visible part of a recorded op on four elements (docs/performance.md).
 template <class F>
 [[gnu::always_inline]] inline void with_bool(bool b, F&& f) {
   if (b) f(std::true_type{});

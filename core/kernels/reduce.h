@@ -20,11 +20,10 @@ namespace tg::kernels {
 inline constexpr std::int64_t kReduceBlock = 256;  // columns handled together when I > 1
 
 // sum_{j < n} f(j) in double, as 16 interleaved partial sums added in a fixed order at the end: the
-// compiler keeps them in four vector registers (an OpenMP simd reduction over float data compiled
-// to gathers and stack spills here), and the bits do not depend on anything but n. Four
-// independent chains rather than two, as each add waits 4-5 cycles for the previous one in its
-// chain; on RMSNorm (8192, 768) the change from 8 partials measured within noise, so it is not
-// what bounds a norm on large rows (memory is).
+// compiler keeps them in four vector registers (an OpenMP simd reduction over float data compiles
+// to gathers and stack spills), and the bits do not depend on anything but n. Four independent
+// chains rather than two, as each add waits 4-5 cycles for the previous one in its chain. On large
+// rows a norm is bound by memory, not by these chains (docs/performance.md).
 template <class F>
 inline double sum16(std::int64_t n, F&& f) {
   double p[16] = {};
@@ -54,7 +53,7 @@ inline T row_max(const T* x, std::int64_t n) {
 }
 
 // y[j] = exp(x[j] - m) for j < n (y may be x), returning sum_j y[j] in double. Two loops, so that
-// the exp loop vectorises: with the running double sum in the same loop, fast_exp ran scalar.
+// the exp loop vectorises: with the running double sum in the same loop, fast_exp stays scalar.
 template <class T>
 inline double exp_shifted(const T* x, T m, T* y, std::int64_t n) {
   for (std::int64_t j = 0; j < n; ++j) y[j] = fast_exp(x[j] - m);

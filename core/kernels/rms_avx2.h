@@ -5,16 +5,12 @@
 // what every other build and shape runs, and, in float64, the reference the tests compare this
 // path's float32 results with.
 //
-// Why intrinsics. On (8192, 768) the portable backward made three passes over each row (the row
-// sum in double, the gain-gradient sum, dx) and converted every product to double for the row sum;
-// the forward converted every x to double for its sum of squares. Both are memory-bound loops
-// that still lost time to that arithmetic. With the sums in one pass, float arithmetic inside
-// chunks of 32 elements and streamed outputs, the backward went from 4.5-5.0 to 3.2-3.5 ms and
-// the forward from 2.3-2.6 to 2.1-2.2 ms (2 threads, medians of 15, old and new alternating).
-// GCC does not vectorise a loop that keeps float partials and widens them once per chunk.
-// Tried and not kept: one row's dx (or y) in the same loop as the next row's sums, so that the
-// next row's loads overlap the current row's stores (backward 10% slower, forward unchanged), and
-// software prefetch of rows ahead in the forward (unchanged).
+// Why intrinsics. The portable backward makes three passes over each row (the row sum in double,
+// the gain-gradient sum, dx) and converts every product to double for the row sum; the forward
+// converts every x to double for its sum of squares. Both are memory-bound loops that still lose
+// time to that arithmetic. This path makes the sums in one pass, in float arithmetic inside chunks
+// of 32 elements, and streams large outputs (the timings: docs/performance.md). GCC does not
+// vectorise a loop that keeps float partials and widens them once per chunk, hence intrinsics.
 //
 // Accuracy: the products and the sums inside a chunk of 32 elements are float (each lane adds
 // four products, two accumulators of two), the chunks' sums are added in double. That is at most
@@ -35,7 +31,7 @@
 
 namespace tg::kernels::rms_avx2 {
 
-inline constexpr std::int64_t kStreamBytes = std::int64_t{16} << 20;  // half this machine class's L3
+inline constexpr std::int64_t kStreamBytes = std::int64_t{16} << 20;  // half of a 32 MiB L3
 
 // The fast path's conditions on the shapes; dst must also be 32-byte aligned to stream.
 inline bool fits(std::int64_t C, std::int64_t k) { return C % 8 == 0 && k % 8 == 0 && k > 0; }
