@@ -268,7 +268,7 @@ void Adam::step() {
       T* vm = ams ? vmax.data<T>() : nullptr;
       const std::int64_t n = p.numel();
       // The variant is chosen once, outside the loop: decoupled decay, an L2 term, AMSGrad. Tested
-      // inside the loop, the three branches (two of them conditional stores) kept GCC from
+      // inside the loop, the three branches (two of them conditional stores) keep GCC from
       // vectorising it.
       kernels::with_bool(dec, [&](auto Dec) {
         kernels::with_bool(!dec && wd != 0, [&](auto L2) {
