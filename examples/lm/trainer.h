@@ -2,15 +2,35 @@
 // Training of the character-level GPT: one run = one norm and one seed, with periodic
 // evaluation, metrics, atomic checkpoints and exact resume. Shared by examples/train_lm and
 // bench/bench_train so that both time the same step.
-#include <cstdint>
+//
+// A run is a Trainer taken through its steps:
+//
+//   Trainer t(cfg, corpus, resume);   // set up: a fresh model, or the checkpoint's state
+//   while (!t.done()) {
+//     t.train_step();                  // one batch: forward, backward, NaN guard, AdamW update
+//     t.report_progress();             // the live line (terminal only)
+//     if (!t.eval_due()) continue;
+//     if (cfg.eval_iters > 0) t.report_metrics(t.evaluate());  // losses -> metrics.csv
+//     t.checkpoint();                  // everything needed to continue, written atomically
+//   }
+//   t.finish();                        // median step time, peak memory, final losses
+//   t.sample();                        // some generated text
+//   t.save_model();                    // the final weights
+//   RunResult r = t.result();
+//
+// lm::train() does exactly this.
 #include <cmath>
-#include <functional>
+#include <cstdint>
+#include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "lm/corpus.h"
 
 namespace lm {
+
+struct Checkpoint;  // lm/checkpoint.h
 
 struct TrainConfig {
   std::string data;
@@ -52,8 +72,81 @@ struct RunResult {
   std::int64_t start_step = 0;
 };
 
-// Trains from scratch, or resumes from cfg.out's checkpoint when resume is true. Throws tg::Error
-// on bad configuration, data or checkpoint.
+// One training run, step by step. Every step throws tg::Error on bad configuration, data or
+// checkpoint, and train_step() on a loss or gradient that is not finite.
+class Trainer {
+ public:
+  // Set up or resume. Checks the configuration; on resume reads cfg.out's checkpoint and holds its
+  // tensors against the configuration before building anything. Seeds the default generator with
+  // cfg.seed, builds the GPT and AdamW (weight decay on matrices only), then on resume restores the
+  // weights, the optimiser's moments, both generators and the best val loss. Opens metrics.csv and
+  // train_log.csv, keeping on resume only their rows up to the checkpoint's step.
+  Trainer(const TrainConfig& cfg, const Corpus& corpus, bool resume = false);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  bool done() const { return step_ >= cfg_.steps; }
+  std::int64_t step() const { return step_; }  // steps completed, counted from the run's start
+
+  // One training step: the scheduled learning rate, a random batch, forward, backward, gradient
+  // clipping, then AdamW. A loss or gradient that is not finite stops the run before the update
+  // (the weights and the checkpoint stay good), naming the op that produced it. Returns the loss.
+  double train_step();
+
+  // True after the step that ends an evaluation interval, and after the last step.
+  bool eval_due() const;
+  // The mean loss on eval_iters fixed batches of each split (the same batches every time, for
+  // every norm), with dropout off and BatchNorm on its running statistics.
+  EvalPoint evaluate();
+  // Writes the weights, the optimiser state, both generators' states, the configuration and the
+  // vocabulary to checkpoint.safetensors (temporary file, fsync, rename), after the logs whose
+  // rows it vouches for. Nothing without an output directory or with checkpoints off.
+  void checkpoint();
+
+  // The live progress line (step, loss, lr, tokens/s, ETA), redrawn every 10 steps on a terminal.
+  void report_progress();
+  // Records an evaluation: the best val loss, a metrics.csv row, and a log line when stderr is
+  // not a terminal.
+  void report_metrics(const EvalPoint& e);
+
+  // Ends the training loop: closes the progress line, takes the median step time, tokens/s, peak
+  // memory and the final losses.
+  void finish();
+  // Generates cfg.sample characters from the trained model (its own generator, so sampling does
+  // not disturb training) into samples.txt and the result.
+  void sample();
+  // The final weights, with the configuration and the vocabulary, in model.safetensors.
+  void save_model();
+  const RunResult& result() const { return r_; }
+
+ private:
+  void build_model();
+  void restore(Checkpoint& ck);
+  void open_logs();
+  double median_ms() const;
+
+  TrainConfig cfg_;
+  const Corpus& corpus_;
+  bool resume_;
+  std::string norm_;
+  std::unique_ptr<tg::nn::GPT> model_;
+  std::unique_ptr<tg::optim::AdamW> opt_;
+  tg::optim::WarmupCosineLR schedule_;
+  std::vector<tg::Tensor> params_;
+  tg::Generator batch_gen_;
+  tg::Tensor x_, y_;                 // the current batch
+  std::ofstream metrics_, steplog_;  // metrics.csv (every evaluation), train_log.csv (every step)
+  std::int64_t step_ = 0;
+  double lr_ = NAN, loss_ = NAN;     // of the last step
+  std::vector<double> times_;        // ms of every step of this process
+  double tokens_per_step_ = 0;
+  bool tty_ = false;
+  RunResult r_;
+};
+
+// Trains from scratch, or resumes from cfg.out's checkpoint when resume is true: a Trainer taken
+// through its steps in order. Throws tg::Error on bad configuration, data or checkpoint.
 RunResult train(const TrainConfig& cfg, const Corpus& corpus, bool resume = false);
 
 // The configuration stored in a run directory's checkpoint (for --resume).

@@ -1,0 +1,139 @@
+#include "lm/checkpoint.h"
+
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+namespace lm {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using namespace tg;
+
+namespace {
+
+json config_to_json(const TrainConfig& c) {
+  const auto& m = c.model;
+  return json{{"data", c.data},
+              {"norm", nn::to_string(m.norm)},
+              {"vocab_size", m.vocab_size},
+              {"block_size", m.block_size},
+              {"n_layer", m.n_layer},
+              {"n_head", m.n_head},
+              {"n_embd", m.n_embd},
+              {"dropout", m.dropout},
+              {"bias", m.bias},
+              {"p", m.p},
+              {"eps", m.eps},
+              {"batch_size", c.batch_size},
+              {"steps", c.steps},
+              {"lr", c.lr},
+              {"min_lr", c.min_lr},
+              {"warmup", c.warmup},
+              {"lr_decay_iters", c.lr_decay_iters},
+              {"weight_decay", c.weight_decay},
+              {"beta1", c.beta1},
+              {"beta2", c.beta2},
+              {"grad_clip", c.grad_clip},
+              {"eval_interval", c.eval_interval},
+              {"eval_iters", c.eval_iters},
+              {"seed", c.seed}};
+}
+
+TrainConfig config_from_json(const json& j) {
+  TrainConfig c;
+  c.data = j.at("data").get<std::string>();
+  c.model.norm = nn::parse_norm_kind(j.at("norm").get<std::string>());
+  c.model.vocab_size = j.at("vocab_size");
+  c.model.block_size = j.at("block_size");
+  c.model.n_layer = j.at("n_layer");
+  c.model.n_head = j.at("n_head");
+  c.model.n_embd = j.at("n_embd");
+  c.model.dropout = j.at("dropout");
+  c.model.bias = j.at("bias");
+  c.model.p = j.at("p");
+  c.model.eps = j.at("eps");
+  c.batch_size = j.at("batch_size");
+  c.steps = j.at("steps");
+  c.lr = j.at("lr");
+  c.min_lr = j.at("min_lr");
+  c.warmup = j.at("warmup");
+  c.lr_decay_iters = j.at("lr_decay_iters");
+  c.weight_decay = j.at("weight_decay");
+  c.beta1 = j.at("beta1");
+  c.beta2 = j.at("beta2");
+  c.grad_clip = j.at("grad_clip");
+  c.eval_interval = j.at("eval_interval");
+  c.eval_iters = j.at("eval_iters");
+  c.seed = j.at("seed");
+  return c;
+}
+
+const std::string& meta_value(const Metadata& meta, const std::string& key, const std::string& file) {
+  auto it = meta.find(key);
+  if (it == meta.end()) fail("resume", file, " has no '", key, "' entry");
+  return it->second;
+}
+
+}  // namespace
+
+std::string config_json(const TrainConfig& c) { return config_to_json(c).dump(); }
+
+std::string exact(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+std::uint64_t meta_u64(const Metadata& meta, const std::string& key, const std::string& file) {
+  const std::string& v = meta_value(meta, key, file);
+  std::uint64_t out = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+  if (ec != std::errc() || end != v.data() + v.size() || v.empty())
+    fail("resume", file, ": '", key, "' is not an unsigned integer: '", v, "'");
+  return out;
+}
+
+double meta_double(const Metadata& meta, const std::string& key, const std::string& file) {
+  const std::string& v = meta_value(meta, key, file);
+  char* end = nullptr;
+  const double out = std::strtod(v.c_str(), &end);
+  if (v.empty() || end != v.c_str() + v.size()) fail("resume", file, ": '", key, "' is not a number: '", v, "'");
+  return out;  // NaN allowed: best_val before the first evaluation
+}
+
+TrainConfig read_checkpoint_config(const std::string& dir) {
+  Metadata meta;
+  const fs::path ck = fs::path(dir) / "checkpoint.safetensors";
+  if (!fs::exists(ck)) fail("resume", "no checkpoint in '", dir, "' (expected ", ck.string(), ")");
+  load_safetensors(ck.string(), &meta);
+  if (meta["format"] != kCheckpointFormat) fail("resume", ck.string(), " is not a train_lm checkpoint");
+  const std::string& text = meta_value(meta, "config", ck.string());
+  try {
+    return config_from_json(json::parse(text));
+  } catch (const json::exception& e) {
+    fail("resume", "bad config in ", ck.string(), ": ", e.what());
+  }
+}
+
+Checkpoint read_checkpoint(const std::string& dir, const nn::GPTConfig& model) {
+  Checkpoint ck;
+  ck.file = (fs::path(dir) / "checkpoint.safetensors").string();
+  ck.tensors = load_safetensors(ck.file, &ck.meta);
+  auto expect = [&](const std::string& key, const Shape& shape) {
+    if (!ck.tensors.contains(key)) fail("resume", ck.file, " has no tensor '", key, "'");
+    if (!(ck.tensors.at(key).shape() == shape))
+      fail("resume", ck.file, ": '", key, "' is ", ck.tensors.at(key).shape(), " but the config asks for ", shape);
+  };
+  expect("model.wte.weight", Shape{model.vocab_size, model.n_embd});
+  expect("model.wpe.weight", Shape{model.block_size, model.n_embd});
+  const std::string last = "model.blocks." + std::to_string(model.n_layer - 1) + ".attn.qkv.weight";
+  expect(last, Shape{3 * model.n_embd, model.n_embd});
+  if (ck.tensors.contains("model.blocks." + std::to_string(model.n_layer) + ".attn.qkv.weight"))
+    fail("resume", ck.file, " has more blocks than the config's n_layer ", model.n_layer);
+  return ck;
+}
+
+}  // namespace lm

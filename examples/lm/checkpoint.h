@@ -1,0 +1,38 @@
+#pragma once
+// The train_lm checkpoint file: one safetensors file holding the model's tensors ("model." + name),
+// the optimiser's ("optim." + name), and as metadata everything else a resumed run needs to
+// continue bit for bit: the step, the configuration (JSON), the vocabulary, the states of both
+// generators and the best val loss so far. Every value read back is checked; a damaged one is a
+// tg::Error that names the file and the key.
+#include <cstdint>
+#include <string>
+
+#include "lm/trainer.h"
+
+namespace lm {
+
+inline constexpr const char* kCheckpointFormat = "tapegrad-lm-checkpoint-1";
+
+// What a checkpoint file holds, as read.
+struct Checkpoint {
+  std::string file;
+  tg::StateDict tensors;
+  tg::Metadata meta;
+};
+
+// Reads dir/checkpoint.safetensors and holds its tensors against the model configuration (vocabulary,
+// context, width, number of blocks), so that a damaged configuration (n_layer 4294967296, n_embd 1e9)
+// is refused before anything is allocated for it.
+Checkpoint read_checkpoint(const std::string& dir, const tg::nn::GPTConfig& model);
+
+// The configuration as JSON text (what the "config" metadata entry and model.safetensors hold).
+std::string config_json(const TrainConfig& c);
+
+// Metadata values, parsed strictly: a missing or damaged value is a tg::Error naming the key.
+std::uint64_t meta_u64(const tg::Metadata& meta, const std::string& key, const std::string& file);
+double meta_double(const tg::Metadata& meta, const std::string& key, const std::string& file);
+
+// A double in text that reads back to the same bits.
+std::string exact(double v);
+
+}  // namespace lm
