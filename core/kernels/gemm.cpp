@@ -7,8 +7,10 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kernels/isa.h"
 #include "kernels/parallel.h"
 #include "kernels/sgemm_avx2.h"
+#include "kernels/sgemm_avx512.h"
 
 namespace tg::kernels {
 
@@ -16,12 +18,10 @@ namespace {
 CBLAS_TRANSPOSE tr(bool t) { return t ? CblasTrans : CblasNoTrans; }
 blasint bi(std::int64_t v) { return static_cast<blasint>(v); }
 
-#ifndef TG_SGEMM_AVX2  // float32 goes to our own kernel where the build has one
 void blas(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, const float* A, std::int64_t lda,
           const float* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc) {
   cblas_sgemm(CblasRowMajor, tr(ta), tr(tb), bi(M), bi(N), bi(K), alpha, A, bi(lda), B, bi(ldb), beta, C, bi(ldc));
 }
-#endif
 void blas(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, double alpha, const double* A,
           std::int64_t lda, const double* B, std::int64_t ldb, double beta, double* C, std::int64_t ldc) {
   cblas_dgemm(CblasRowMajor, tr(ta), tr(tb), bi(M), bi(N), bi(K), alpha, A, bi(lda), B, bi(ldb), beta, C, bi(ldc));
@@ -40,15 +40,33 @@ T zero_c(T beta, std::int64_t M, std::int64_t N, T* C, std::int64_t ldc) {
   return T(1);
 }
 
-// One single-threaded product: float32 through our own kernel where the build has AVX2 + FMA
-// (sgemm_avx2.h says why), everything else through OpenBLAS with the zero fill above.
+// Our own float32 product for the instruction set in use (isa.h): AVX-512's 14 x 32 tile or
+// AVX2's 6 x 16 (sgemm_avx512.h, sgemm_avx2.h say why), through one driver; null on CPUs with
+// neither, whose float32 products go to OpenBLAS.
+struct OwnSgemm {
+  void (*one)(bool, bool, std::int64_t, std::int64_t, std::int64_t, float, const float*, std::int64_t, const float*,
+              std::int64_t, float, float*, std::int64_t, Tri);
+  void (*team)(const Gemm<float>&);
+  void (*pair)(const Gemm<float>&, const Gemm<float>&);
+};
+const OwnSgemm* own_sgemm() {
+#ifdef TG_KERNELS_X86
+  static constexpr OwnSgemm avx512{sgemm_avx512::sgemm, sgemm_avx512::sgemm_parallel,
+                                   sgemm_avx512::sgemm_pair_parallel};
+  static constexpr OwnSgemm avx2{sgemm_avx2::sgemm, sgemm_avx2::sgemm_parallel, sgemm_avx2::sgemm_pair_parallel};
+  const Isa level = isa();
+  if (level >= Isa::avx512) return &avx512;
+  if (level >= Isa::avx2) return &avx2;
+#endif
+  return nullptr;
+}
+
+// One single-threaded product: float32 through our own kernel where the CPU has one, everything
+// else through OpenBLAS with the zero fill above.
 void product(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, float alpha, const float* A,
              std::int64_t lda, const float* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc) {
-#ifdef TG_SGEMM_AVX2
-  sgemm_avx2::sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-#else
-  blas(ta, tb, M, N, K, alpha, A, lda, B, ldb, zero_c(beta, M, N, C, ldc), C, ldc);
-#endif
+  if (const OwnSgemm* own = own_sgemm()) own->one(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, Tri::none);
+  else blas(ta, tb, M, N, K, alpha, A, lda, B, ldb, zero_c(beta, M, N, C, ldc), C, ldc);
 }
 void product(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, double alpha, const double* A,
              std::int64_t lda, const double* B, std::int64_t ldb, double beta, double* C, std::int64_t ldc) {
@@ -75,8 +93,9 @@ bool split_worth(const Gemm<T>& g) {
 // panel, which a profile of the training step showed at about 5% of the step; the split has one
 // barrier per call. Measured in the training benchmark, alternating the two ways step by step:
 // 4 to 8% less time per step. Each thread also zero-fills its own block of C, which is then in its
-// cache when the product starts. (float32 on AVX2 builds goes to sgemm_avx2::sgemm_parallel and
-// sgemm_pair_parallel instead, which pack op(B) once and deal the blocks of C out dynamically.)
+// cache when the product starts. (float32 on AVX2 and AVX-512 CPUs goes to our own product's
+// team versions instead, which pack op(B) once and deal the blocks of C out dynamically:
+// sgemm_driver.h.)
 template <class T>
 void gemm_block(const Gemm<T>& g, int t, int nt) {
   const bool by_rows = g.M >= g.N;
@@ -100,12 +119,12 @@ void run(const Gemm<T>& g) {
     product(g.ta, g.tb, g.M, g.N, g.K, g.alpha, g.A, g.lda, g.B, g.ldb, g.beta, g.C, g.ldc);
     return;
   }
-#ifdef TG_SGEMM_AVX2
   if constexpr (std::is_same_v<T, float>) {
-    sgemm_avx2::sgemm_parallel(g);
-    return;
+    if (const OwnSgemm* own = own_sgemm()) {
+      own->team(g);
+      return;
+    }
   }
-#endif
 #pragma omp parallel
   gemm_block(g, omp_get_thread_num(), omp_get_num_threads());
 }
@@ -120,15 +139,14 @@ void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T al
 template <class T>
 void gemm_tri(Tri tri, bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A,
               std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc) {
-#ifdef TG_SGEMM_AVX2
   if constexpr (std::is_same_v<T, float>) {
     const Gemm<float> g{ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc};
-    if (M > 0 && N > 0 && !split_worth(g)) {
-      sgemm_avx2::sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, tri);
+    const OwnSgemm* own = own_sgemm();
+    if (own && M > 0 && N > 0 && !split_worth(g)) {
+      own->one(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, tri);
       return;
     }
   }
-#endif
   (void)tri;  // the whole product: what tri would skip is zero or not read
   gemm<T>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
@@ -142,9 +160,9 @@ void gemm_tri(Tri tri, bool ta, bool tb, std::int64_t M, std::int64_t N, std::in
 // (With two threads and unequal products the larger one sets the time: meant for equal pairs.)
 // Measured in the training benchmark, the two ways alternating step by step within a run: 1.2%
 // less time per step (the paired steps' median over the others' 0.979-1.003 in six runs, against
-// 0.993-1.010 for a control that alternated nothing). float32 on AVX2 builds: the same start,
-// then a thread that finishes its product takes what is left of the other's
-// (sgemm_avx2::sgemm_pair_parallel), so unequal pairs work too.
+// 0.993-1.010 for a control that alternated nothing). float32 on AVX2 and AVX-512 CPUs: the same
+// start, then a thread that finishes its product takes what is left of the other's
+// (sgemm_driver.h's sgemm_pair_parallel), so unequal pairs work too.
 template <class T>
 void gemm_pair(const Gemm<T>& p, const Gemm<T>& q) {
   const int nt = omp_get_max_threads();
@@ -154,12 +172,12 @@ void gemm_pair(const Gemm<T>& p, const Gemm<T>& q) {
     run(q);
     return;
   }
-#ifdef TG_SGEMM_AVX2
   if constexpr (std::is_same_v<T, float>) {
-    sgemm_avx2::sgemm_pair_parallel(p, q);
-    return;
+    if (const OwnSgemm* own = own_sgemm()) {
+      own->pair(p, q);
+      return;
+    }
   }
-#endif
   const double wp = static_cast<double>(p.M * p.N * p.K), wq = static_cast<double>(q.M * q.N * q.K);
   const int np = std::clamp(static_cast<int>(std::lround(nt * wp / (wp + wq))), 1, nt - 1);
 #pragma omp parallel num_threads(nt)

@@ -24,8 +24,9 @@ std::string supported_list() {
   return s;
 }
 
-Isa from_env() {
-  const char* v = std::getenv("TAPEGRAD_ISA");
+}  // namespace
+
+Isa parse_isa(const char* v) {
   if (!v || !*v) return best_isa();
   for (Isa l : kLevels)
     if (std::strcmp(v, isa_name(l)) == 0) {
@@ -36,10 +37,8 @@ Isa from_env() {
   fail("TAPEGRAD_ISA", "unknown instruction set '", v, "' (expected portable, avx2, avx512 or avx512_bf16)");
 }
 
-}  // namespace
-
 bool cpu_supports(Isa level) {
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#ifdef TG_KERNELS_X86
   // __builtin_cpu_supports reads cpuid once at start-up and, for AVX and AVX-512, also checks
   // (XGETBV) that the operating system saves the ymm / zmm registers.
   switch (level) {
@@ -64,7 +63,7 @@ Isa best_isa() {
 Isa isa() {
   int v = g_isa.load(std::memory_order_relaxed);
   if (v < 0) {  // first call: every thread that races here computes the same value
-    v = static_cast<int>(from_env());
+    v = static_cast<int>(parse_isa(std::getenv("TAPEGRAD_ISA")));
     g_isa.store(v, std::memory_order_relaxed);
   }
   return static_cast<Isa>(v);

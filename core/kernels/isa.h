@@ -14,6 +14,12 @@
 // value the CPU cannot run, or an unknown name, makes isa() throw tg::Error naming the value and
 // what the CPU supports; it never silently runs something else. Tests set the level in-process
 // with set_isa() to cover every path in one binary.
+// Where the compiler can build the x86 kernels: each is compiled for its own instruction set by a
+// target pragma (sgemm_driver.h), whatever the build's -march, and called only where the CPU has it.
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define TG_KERNELS_X86 1
+#endif
+
 namespace tg::kernels {
 
 enum class Isa { portable = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3 };
@@ -30,6 +36,10 @@ Isa best_isa();
 
 // The level in use: TAPEGRAD_ISA's if set (throws tg::Error for a bad value), else best_isa().
 Isa isa();
+
+// The level a value of TAPEGRAD_ISA names: best_isa() for null or empty; throws tg::Error for an
+// unknown name or a level this CPU cannot run.
+Isa parse_isa(const char* value);
 
 // Sets the level in use for the whole process (throws tg::Error if the CPU cannot run it). Not
 // to be called while another thread is inside a kernel.

@@ -1,8 +1,9 @@
 #pragma once
 // A float32 matrix product of our own for AVX2 + FMA CPUs, behind kernels::gemm<float>, gemm_pair
-// and gemm_tri (gemm.cpp): sgemm on one thread, sgemm_parallel and sgemm_pair_parallel on the
-// team. Builds for other CPUs, and every float64 product, call OpenBLAS instead; the reference
-// both are tested against is gemm_naive (gemm.h). docs/matmul.md walks through it.
+// and gemm_tri (gemm.cpp) when kernels::isa() is avx2 (isa.h; AVX-512 CPUs take sgemm_avx512.h's
+// wider tile through the same driver, sgemm_driver.h): sgemm on one thread, sgemm_parallel and
+// sgemm_pair_parallel on the team. Other CPUs, and every float64 product, call OpenBLAS instead;
+// the reference both are tested against is gemm_naive (gemm.h). docs/matmul.md walks through it.
 //
 //   C = alpha op(A) op(B) + beta C,  row-major, op(A) M x K, op(B) K x N; beta = 0 ignores C.
 //
@@ -39,11 +40,16 @@
 //
 // Accuracy: each element of C is a sum of K float products, accumulated in float (as OpenBLAS and
 // PyTorch do), in kc-sized pieces; tests compare it with gemm_naive's double sum.
-#if defined(__AVX2__) && defined(__FMA__)
-#define TG_SGEMM_AVX2 1
+//
+// Compiled for AVX2 + FMA whatever the build's -march (sgemm_driver.h says how), on compilers that
+// can (TG_KERNELS_X86, isa.h); called only where the CPU has them.
 #include <cstdint>
 
 #include "kernels/gemm.h"
+#include "kernels/isa.h"
+
+#ifdef TG_KERNELS_X86
+#define TG_SGEMM_AVX2 1
 
 namespace tg::kernels::sgemm_avx2 {
 
