@@ -1,4 +1,4 @@
-#include "tapegrad/autograd.h"
+#include "tape_internal.h"
 
 #include <algorithm>
 #include <atomic>
@@ -76,8 +76,7 @@ void* Arena::allocate_slow(std::size_t bytes, std::size_t align) {
 
 }  // namespace detail
 
-// ---- autograd slots: made by record_node (inline in each op's file, through ensure_meta) and
-// dropped by Node::release (here, where destroy inlines) ----
+// ---- autograd slots: made by record_node (through ensure_meta), dropped by Node::release ----
 
 AutogradMeta* AutogradMeta::make(const Shape& s, DType d) { return detail::pool_new<AutogradMeta>(s, d); }
 void AutogradMeta::destroy(AutogradMeta* m) noexcept { detail::pool_delete(m); }
@@ -89,11 +88,12 @@ static_assert(std::is_trivially_copyable_v<Node> && std::is_trivially_destructib
 
 void Node::release() {
   static_assert(std::is_trivially_destructible_v<Shape>, "other_shapes are not destroyed one by one");
-  Slot* slot = slots();  // before saved.destroy(), which forgets where the slots start
+  Slot* slot = slots();
   for (std::uint32_t i = 0; i < n_in + n_out; ++i) slot[i].~Slot();
-  saved.destroy();
-  release_backward();
-  n_in = n_out = n_other = 0;  // a freed node's arrays read as empty
+  for (std::uint32_t i = 0; i < n_saved; ++i) saved_[i].~Tensor();
+  if (ops_ && ops_->destroy) ops_->destroy(closure_);
+  ops_ = nullptr;  // the closure's memory belongs to the arena
+  n_in = n_out = n_other = n_saved = 0;  // a freed node's arrays read as empty
 }
 
 const Shape& Node::input_shape(std::size_t i) const {
@@ -103,39 +103,27 @@ const Shape& Node::input_shape(std::size_t i) const {
   return other_shapes()[k];
 }
 
-Tensor Node::grad_in(std::size_t i) const {
-  if (!needs_grad(i)) return Tensor();
-  return slots()[i]->grad_accumulator();
-}
-
 bool Node::input_repeated_slow(std::size_t i) const {
   for (std::size_t j = 0; j < n_in; ++j)
     if (j != i && slots()[j] == slots()[i]) return true;
   return false;
 }
 
-GradDest Node::grad_add(std::size_t i) const {
+GradDest Node::add_grad(std::size_t i) const {
   if (!needs_grad(i)) return GradDest{};
   return GradDest{&slots()[i]->grad_accumulator(), true};
 }
 
-GradDest Node::grad_dest(std::size_t i) const {
-  GradDest d;
-  if (!needs_grad(i)) return d;
+GradDest Node::write_grad(std::size_t i) const {
+  if (!needs_grad(i)) return GradDest{};
   AutogradMeta& m = *slots()[i];
   // The same tensor passed as two inputs (x * x): both writes add into one zero-filled buffer, so
   // the kernel's order of writing them does not matter.
-  if (m.grad.defined() || input_repeated(i)) {
-    d.buf = &m.grad_accumulator();
-    d.acc = true;
-  } else {
-    d.buf = &m.grad.set(Tensor::empty(m.shape, m.dtype));
-    d.acc = false;
-  }
-  return d;
+  if (m.grad.defined() || input_repeated(i)) return GradDest{&m.grad_accumulator(), true};
+  return GradDest{&m.grad.set(Tensor::empty(m.shape, m.dtype)), false};
 }
 
-GradDest Node::grad_dest_over(std::size_t i, std::size_t j) const {
+GradDest Node::write_grad_over_output(std::size_t i, std::size_t j) const {
   if (needs_grad(i)) {
     AutogradMeta& m = *slots()[i];
     AutogradMeta& o = *outputs()[j];
@@ -150,14 +138,96 @@ GradDest Node::grad_dest_over(std::size_t i, std::size_t j) const {
       }
     }
   }
-  return grad_dest(i);
+  return write_grad(i);
 }
 
-std::size_t Node::bytes_saved_slow() const {
+std::size_t Node::bytes_saved() const {
   std::size_t b = 0;
-  for (const Tensor& t : saved) b += t.defined() ? t.nbytes() : 0;
+  for (std::uint32_t i = 0; i < n_saved; ++i) b += saved_[i].defined() ? saved_[i].nbytes() : 0;
   return b;
 }
+
+// ---- recording ----
+
+namespace detail {
+
+// Appends the node. What can throw comes before anything is recorded: the outputs' slots, then the
+// node (push may sweep, and a sweep that empties the tape resets the arena: so before the arena
+// allocation), then the arena block, whose failure takes the still empty node back off the tape.
+// The rest only copies handles and cannot throw.
+Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in, Tensor* const* outputs,
+                  std::size_t n_out, const Tensor* saved, std::size_t n_saved, std::size_t closure_bytes,
+                  std::size_t closure_align) {
+  using Slot = Node::Slot;
+  static_assert(alignof(Slot) <= alignof(Tensor) && alignof(Shape) <= alignof(Tensor));
+  Tape& tp = tape();
+  if (n_in > UINT32_MAX || n_out > UINT32_MAX) fail(op, "too many inputs or outputs to record (", n_in, ", ", n_out, ")");
+  for (std::size_t i = 0; i < n_out; ++i) outputs[i]->ensure_meta();
+  Node& n = TapeAccess::push(tp);
+  // One arena block: the saved tensors first (the strictest alignment), then the input and output
+  // slots, the shapes of the inputs without a slot, and the closure last.
+  std::size_t n_other = 0;
+  for (std::size_t i = 0; i < n_in; ++i) n_other += inputs[i]->requires_grad() ? 0 : 1;
+  const std::size_t arrays = n_saved * sizeof(Tensor) + (n_in + n_out) * sizeof(Slot) + n_other * sizeof(Shape);
+  const std::size_t closure_at = (arrays + closure_align - 1) & ~(closure_align - 1);  // a power of two
+  char* mem = nullptr;
+  try {
+    mem = static_cast<char*>(TapeAccess::arena(tp).allocate(closure_at + closure_bytes, std::max(alignof(Tensor), closure_align)));
+  } catch (...) {
+    TapeAccess::discard_last(tp);
+    throw;
+  }
+  auto* sv = reinterpret_cast<Tensor*>(mem);
+  auto* in = reinterpret_cast<Slot*>(mem + n_saved * sizeof(Tensor));
+  auto* out = in + n_in;
+  auto* shapes = reinterpret_cast<Shape*>(reinterpret_cast<char*>(out + n_out));
+  std::uint64_t undefined = 0;
+  for (std::size_t i = 0, k = 0; i < n_in; ++i) {
+    const Tensor* t = inputs[i];
+    if (t->requires_grad()) {
+      ::new (in + i) Slot(t->meta());
+    } else {
+      ::new (in + i) Slot();
+      ::new (shapes + k++) Shape(t->shape());
+      if (!t->defined() && i < 64) undefined |= std::uint64_t(1) << i;  // (an undefined tensor needs no grad)
+    }
+  }
+  for (std::size_t i = 0; i < n_saved; ++i) ::new (sv + i) Tensor(saved[i]);
+  const auto index = static_cast<std::int64_t>(tp.size()) - 1;
+  for (std::size_t i = 0; i < n_out; ++i) {
+    const auto& m = outputs[i]->meta();
+    m->requires_grad = true;
+    m->node = index;
+    m->generation = TapeAccess::generation(tp);
+    ::new (out + i) Slot(m);
+  }
+  n.op = op;
+  n.saved_ = sv;  // the slots follow: Node::slots() finds them from here
+  n.n_saved = static_cast<std::uint32_t>(n_saved);
+  n.n_in = static_cast<std::uint32_t>(n_in);
+  n.n_out = static_cast<std::uint32_t>(n_out);
+  n.n_other = static_cast<std::uint32_t>(n_other);
+  n.undefined_inputs = undefined;
+  n.closure_ = mem + closure_at;  // raw memory until record_with constructs the closure
+  TapeAccess::note_saved(tp, n.bytes_saved());  // free_node takes the same count back
+  return n;
+}
+
+void drop_last_node_and_rethrow() {
+  Tape& tp = tape();
+  TapeAccess::free_node(tp, tp.size() - 1);
+  throw;
+}
+
+void check_anomaly_outputs(const char* op, std::size_t index, const Node& node, const Tensor* const* outputs,
+                           std::size_t n_out, const Tensor* const* inputs, std::size_t n_in);
+
+void after_record(Node& node, const Tensor* const* outputs, std::size_t n_out, const Tensor* const* inputs,
+                  std::size_t n_in) {
+  if (t_anomaly) check_anomaly_outputs(node.op, tape().size() - 1, node, outputs, n_out, inputs, n_in);
+}
+
+}  // namespace detail
 
 // ---- Tape ----
 
@@ -169,16 +239,11 @@ Tape& tape_slow() {
 }
 }  // namespace detail
 
+Tape::Tape() : arena_(std::make_unique<detail::Arena>()) {}
+
 Tape::~Tape() {
   clear();
   if (detail::t_tape == this) detail::t_tape = nullptr;
-}
-
-Node& Tape::push() {
-  if (nodes_.size() >= next_sweep_ || saved_live_ >= next_sweep_bytes_) sweep();
-  nodes_.emplace_back();
-  ++live_;
-  return nodes_.back();
 }
 
 void Tape::clear() {
@@ -189,7 +254,7 @@ void Tape::clear() {
         n.freed = true;
       }
   nodes_.clear();  // O(1): nodes are trivially destructible
-  arena_.reset();
+  arena_->reset();
   live_ = 0;
   next_sweep_ = kFirstSweep;
   saved_live_ = 0;
@@ -197,44 +262,53 @@ void Tape::clear() {
   ++generation_;
 }
 
-void Tape::free_node(std::size_t i) {
-  Node& n = nodes_[i];
+namespace detail {
+
+Node& TapeAccess::push(Tape& t) {
+  if (t.nodes_.size() >= t.next_sweep_ || t.saved_live_ >= t.next_sweep_bytes_) sweep(t);
+  t.nodes_.emplace_back();
+  ++t.live_;
+  return t.nodes_.back();
+}
+
+void TapeAccess::free_node(Tape& t, std::size_t i) {
+  Node& n = t.nodes_[i];
   if (n.freed) return;
   n.freed = true;
-  saved_live_ -= std::min(saved_live_, n.bytes_saved());
+  t.saved_live_ -= std::min(t.saved_live_, n.bytes_saved());
   // The outputs' slots go too, while the walk has them in cache (not in a later pass of clear()).
   // A freed node is found from its outputs' side instead: their slots keep the node's index.
   n.release();
-  --live_;
+  --t.live_;
 }
 
-void Tape::discard_last() {
-  nodes_.pop_back();
-  --live_;
+void TapeAccess::discard_last(Tape& t) {
+  t.nodes_.pop_back();
+  --t.live_;
 }
 
-void Tape::sweep() {
-  // From the newest node back: a node is unreachable when the only owner of each of its outputs'
-  // autograd slots is the node itself. Freeing it drops its references to its inputs, which may
-  // make an earlier node unreachable in turn.
-  const std::size_t live_before = live_;
-  for (std::size_t i = nodes_.size(); i-- > 0;) {
-    Node& n = nodes_[i];
+void TapeAccess::sweep(Tape& t) {
+  // A node is unreachable when the only owner of each of its outputs' autograd slots is the node.
+  const std::size_t live_before = t.live_;
+  for (std::size_t i = t.nodes_.size(); i-- > 0;) {
+    Node& n = t.nodes_[i];
     if (n.freed) continue;
     bool unreachable = true;
     for (const auto& o : n.outputs()) unreachable = unreachable && o.use_count() == 1;
-    if (unreachable) free_node(i);
+    if (unreachable) free_node(t, i);
   }
   // The next sweep when the tape has doubled, or quadrupled if this one freed under a quarter of
   // the nodes (a long graph that is still in use: sweeping it again soon would find nothing).
   // Either way the sweeps cost O(1) per recorded node, amortised. The byte trigger waits until
   // what is saved has doubled since this sweep: geometric too.
-  if (live_ == 0) clear();
+  if (t.live_ == 0) t.clear();
   else {
-    next_sweep_ = std::max(kFirstSweep, (4 * (live_before - live_) < live_before ? 4 : 2) * nodes_.size());
-    next_sweep_bytes_ = std::max(kSweepBytes, 2 * saved_live_);
+    t.next_sweep_ = std::max(Tape::kFirstSweep, (4 * (live_before - t.live_) < live_before ? 4 : 2) * t.nodes_.size());
+    t.next_sweep_bytes_ = std::max(Tape::kSweepBytes, 2 * t.saved_live_);
   }
 }
+
+}  // namespace detail
 
 std::size_t Tape::bytes_saved() const {
   std::size_t b = 0;
@@ -398,131 +472,171 @@ void check_anomaly_backward(const Node& n, std::size_t index) {
 }  // namespace detail
 
 // ---- backward ----
+//
+// backward(root) is four steps: check the root and make the seed; find what the root depends on
+// (refusing, before any gradient is touched, a graph part of which was freed); seed the root's
+// gradient; walk the tape back. The walk is the whole idea; the rest makes it safe to call twice.
 
-void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
+namespace {
+
+using detail::TapeAccess;
+using MetaRef = detail::Ref<AutogradMeta>;
+
+const char* const kFreedMsg = "part of the graph of this tensor was freed by an earlier backward(); "
+                              "call backward(grad, /*keep_tape=*/true) to differentiate a graph twice";
+
+// d root / d root: the caller's gradient (checked against root), or 1 for a scalar root.
+Tensor make_seed(const Tensor& root, const Tensor& grad) {
   detail::check_defined("backward", root, "tensor");
   if (!root.requires_grad())
     fail("backward", "tensor of shape ", root.shape(), " does not require grad (no input of its graph did, or it was made under NoGradGuard)");
-  Tensor seed;
   if (grad.defined()) {
     if (!(grad.shape() == root.shape()) || grad.dtype() != root.dtype())
       fail("backward", "gradient ", grad.dtype(), " ", grad.shape(), " does not match tensor ", root.dtype(), " ", root.shape());
-    seed = grad;
-  } else {
-    if (root.numel() != 1)
-      fail("backward", "implicit gradient needs a scalar, got shape ", root.shape(), "; pass an upstream gradient");
-    seed = ones(root.shape(), root.dtype());
+    return grad;
   }
-  AutogradMeta& rm = *root.meta();
-  Tape& tp = tape();
-  const char* freed_msg = "part of the graph of this tensor was freed by an earlier backward(); "
-                          "call backward(grad, /*keep_tape=*/true) to differentiate a graph twice";
-  if (rm.node >= 0 && (rm.generation != tp.generation() || rm.node >= static_cast<std::int64_t>(tp.size())))
-    fail("backward", freed_msg);
+  if (root.numel() != 1)
+    fail("backward", "implicit gradient needs a scalar, got shape ", root.shape(), "; pass an upstream gradient");
+  return ones(root.shape(), root.dtype());
+}
 
-  // Pass 1, before any gradient is touched: mark what the root depends on, and refuse if any of it
-  // was freed (so a failing call changes nothing).
-  static thread_local std::uint64_t epoch = 0;
-  const std::uint64_t mark = ++epoch;
-  // A retained non-leaf gradient (retain_grad) is both what the user reads and the buffer its node
-  // reads during the walk: what an earlier backward left in it must not flow again. Pass 1 notes
-  // them; they are set aside once the pass has found nothing to refuse, and added back afterwards.
-  // (Owning pointers: freeing the walked nodes may drop the last other owner of a slot.)
-  std::vector<detail::Ref<AutogradMeta>> retained;
-  // The caller's upstream gradient may be shared with the root (not copied) unless it is the
-  // memory of a gradient this walk adds into (y.backward(x.grad()) with x in y's graph).
+// What the first pass found: retained non-leaf gradients (retain_grad), and whether the caller's
+// seed shares memory with a gradient this walk adds into (y.backward(x.grad()) with x in y's graph).
+struct Marked {
+  std::vector<MetaRef> retained;
   bool seed_aliased = false;
-  rm.visit = mark;
-  // Pass 1 can find something only when the tape holds freed nodes, a retained gradient may exist,
-  // or the caller passed a gradient. Otherwise (a training step) the marks are made during the
-  // walk itself, which is equivalent because every consumer of a tensor runs before its producer,
-  // and a pass over the whole tape is saved.
-  if (grad.defined() || tp.live() != tp.size() || detail::retain_grad_used()) {
-    auto note = [&](const detail::Ref<AutogradMeta>& m) {
-      if (!m->grad.defined()) return;
-      if (m->node >= 0 && m->retains_grad) retained.push_back(m);
-      seed_aliased = seed_aliased || m->grad.get().shares_storage(seed);
-    };
-    // A freed node's outputs are gone; it is recognised through a tensor made by it.
-    auto check_producer = [&](const AutogradMeta& m) {
-      if (m.node >= 0 && m.generation == tp.generation() && tp.node(static_cast<std::size_t>(m.node)).freed)
-        fail("backward", freed_msg, " (op '", tp.node(static_cast<std::size_t>(m.node)).op, "', node ", m.node, ")");
-    };
-    check_producer(rm);
-    note(root.meta());
-    for (std::int64_t i = rm.node; i >= 0; --i) {
-      Node& n = tp.node(static_cast<std::size_t>(i));
-      if (n.freed) continue;
-      bool reached = false;
-      for (const auto& o : n.outputs()) reached = reached || o->visit == mark;
-      if (!reached) continue;
-      for (const auto& in : n.inputs())
-        if (in && in->visit != mark) {
-          check_producer(*in);
-          in->visit = mark;
-          note(in);
-        }
-    }
-  }
-  // The retained gradients' slots are moved aside and moved back: nothing to allocate in the
-  // destructor below (reserve first, so no emplace_back can throw after a slot has moved).
-  std::vector<std::pair<detail::Ref<AutogradMeta>, detail::GradSlot>> kept;
-  kept.reserve(retained.size());
-  for (auto& m : retained) kept.emplace_back(m, std::move(m->grad));
-  struct Restore {  // also when a backward kernel or anomaly mode throws
-    std::vector<std::pair<detail::Ref<AutogradMeta>, detail::GradSlot>>& kept;
-    ~Restore() {
-      for (auto& [m, old] : kept) {
-        if (m->grad.defined()) {
-          Tensor& o = *old.ptr();  // defined: only slots that held a gradient were set aside
-          detail::dispatch_float("backward", o.dtype(), [&](auto z) {
-            using T = decltype(z);
-            T* op = o.data<T>();
-            const T* g = m->grad.get().data<T>();
-            for (std::int64_t i = 0; i < o.numel(); ++i) op[i] += g[i];
-          });
-        }
-        m->grad = std::move(old);
-      }
-    }
-  } restore{kept};
+};
 
-  // Seed the root's gradient. An intermediate root whose gradient nobody keeps is only read by its
-  // own node (backward kernels never write their upstream gradient), so it shares the caller's
-  // tensor, as PyTorch's engine does, unless that memory is a gradient this walk writes (noted in
-  // pass 1); a leaf's or a retained gradient accumulates (so backward on a leaf, or twice with
-  // keep_tape, adds up) into a buffer of its own.
-  if (!rm.grad.defined() && rm.node >= 0 && !rm.retains_grad && !seed_aliased) {
-    rm.grad.set(seed.detach());
-  } else {
-    Tensor g = rm.grad_accumulator();
-    detail::dispatch_float("backward", g.dtype(), [&](auto z) {
-      using T = decltype(z);
-      T* gp = g.data<T>();
-      const T* sp = seed.data<T>();
-      kernels::parallel_for(g.numel(), g.numel(), [&](std::int64_t lo, std::int64_t hi) {
-        for (std::int64_t i = lo; i < hi; ++i) gp[i] += sp[i];
-      });
-    });
-  }
-  const bool anomaly = detail::anomaly_enabled();
-  // Pass 2: the reverse walk over the marked nodes.
-  NoGradGuard no_record;  // backward kernels must not append to the tape they walk
+// A tensor made by a node that an earlier backward freed: refuse.
+void refuse_if_freed(Tape& tp, const AutogradMeta& m) {
+  if (m.node < 0 || m.generation != TapeAccess::generation(tp)) return;
+  const Node& n = TapeAccess::node(tp, static_cast<std::size_t>(m.node));
+  if (n.freed) fail("backward", kFreedMsg, " (op '", n.op, "', node ", m.node, ")");
+}
+
+// Marks every tensor the root depends on with `mark`, refusing freed parts. Needed only when the
+// tape holds freed nodes, a retained gradient may exist, or the caller passed a gradient; otherwise
+// (a training step) the walk marks as it goes, which is equivalent because every consumer of a
+// tensor runs before its producer.
+Marked mark_graph(Tape& tp, const Tensor& root, const Tensor& seed, std::uint64_t mark) {
+  Marked found;
+  auto note = [&](const MetaRef& m) {
+    if (!m->grad.defined()) return;
+    if (m->node >= 0 && m->retains_grad) found.retained.push_back(m);
+    found.seed_aliased = found.seed_aliased || m->grad.get().shares_storage(seed);
+  };
+  const AutogradMeta& rm = *root.meta();
+  refuse_if_freed(tp, rm);
+  note(root.meta());
   for (std::int64_t i = rm.node; i >= 0; --i) {
-    Node& n = tp.node(static_cast<std::size_t>(i));
+    Node& n = TapeAccess::node(tp, static_cast<std::size_t>(i));
     if (n.freed) continue;
     bool reached = false;
-    for (const auto& o : n.outputs()) reached = reached || (o->visit == mark && o->grad.defined());
+    for (const auto& o : n.outputs()) reached = reached || o->visit == mark;
     if (!reached) continue;
+    for (const auto& in : n.inputs())
+      if (in && in->visit != mark) {
+        refuse_if_freed(tp, *in);
+        in->visit = mark;
+        note(in);
+      }
+  }
+  return found;
+}
+
+// A retained non-leaf gradient is both what the user reads and the buffer its node reads during
+// the walk: what an earlier backward left in it must not flow again. Its slot is set aside for the
+// walk and added back afterwards, also when a backward kernel or anomaly mode throws. (Owning
+// references: freeing the walked nodes may drop the last other owner of a slot.)
+class SetAside {
+ public:
+  explicit SetAside(const std::vector<MetaRef>& retained) {
+    kept_.reserve(retained.size());  // no emplace_back can throw after a slot has moved
+    for (const auto& m : retained) kept_.emplace_back(m, std::move(m->grad));
+  }
+  ~SetAside() {
+    for (auto& [m, old] : kept_) {
+      if (m->grad.defined()) {
+        Tensor& o = *old.ptr();  // defined: only slots that held a gradient were set aside
+        detail::dispatch_float("backward", o.dtype(), [&](auto z) {
+          using T = decltype(z);
+          T* op = o.data<T>();
+          const T* g = m->grad.get().data<T>();
+          for (std::int64_t i = 0; i < o.numel(); ++i) op[i] += g[i];
+        });
+      }
+      m->grad = std::move(old);
+    }
+  }
+  SetAside(const SetAside&) = delete;
+  SetAside& operator=(const SetAside&) = delete;
+
+ private:
+  std::vector<std::pair<MetaRef, detail::GradSlot>> kept_;
+};
+
+// The root's gradient. An intermediate root whose gradient nobody keeps is read only by its own
+// node (backward kernels never write their upstream gradient), so it shares the caller's tensor,
+// as PyTorch's engine does, unless that memory is a gradient this walk writes; a leaf's or a
+// retained gradient accumulates into a buffer of its own (so backward twice adds up).
+void seed_root(AutogradMeta& rm, const Tensor& seed, bool seed_aliased) {
+  if (!rm.grad.defined() && rm.node >= 0 && !rm.retains_grad && !seed_aliased) {
+    rm.grad.set(seed.detach());
+    return;
+  }
+  Tensor g = rm.grad_accumulator();
+  detail::dispatch_float("backward", g.dtype(), [&](auto z) {
+    using T = decltype(z);
+    T* gp = g.data<T>();
+    const T* sp = seed.data<T>();
+    kernels::parallel_for(g.numel(), g.numel(), [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t i = lo; i < hi; ++i) gp[i] += sp[i];
+    });
+  });
+}
+
+// A node runs when one of its outputs was reached and holds a gradient.
+bool reached(const Node& n, std::uint64_t mark) {
+  for (const auto& o : n.outputs())
+    if (o->visit == mark && o->grad.defined()) return true;
+  return false;
+}
+
+// The reverse walk: from the root's node back to the start of the tape, each node reached reads
+// its outputs' gradients and writes its inputs'. An output's gradient is dead once its node has
+// run (PyTorch keeps only leaves' and retained ones), and so is the node unless kept.
+void walk(Tape& tp, std::int64_t from, std::uint64_t mark, bool keep_tape) {
+  NoGradGuard no_record;  // backward kernels must not append to the tape they walk
+  const bool anomaly = detail::t_anomaly;
+  for (std::int64_t i = from; i >= 0; --i) {
+    Node& n = TapeAccess::node(tp, static_cast<std::size_t>(i));
+    if (n.freed || !reached(n, mark)) continue;
     for (const auto& in : n.inputs())
       if (in) in->visit = mark;
     n.run_backward();
     if (anomaly) detail::check_anomaly_backward(n, static_cast<std::size_t>(i));
-    // An intermediate gradient is dead once its node has run: free it (PyTorch keeps only leaves').
     for (const auto& o : n.outputs())
-      if (!o->retains_grad && o->grad.defined()) o->grad.reset();  // (often already taken by grad_dest_over)
-    if (!keep_tape) tp.free_node(static_cast<std::size_t>(i));
+      if (!o->retains_grad) o->grad.reset();
+    if (!keep_tape) TapeAccess::free_node(tp, static_cast<std::size_t>(i));
   }
+}
+
+}  // namespace
+
+void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
+  const Tensor seed = make_seed(root, grad);
+  AutogradMeta& rm = *root.meta();
+  Tape& tp = tape();
+  if (rm.node >= 0 && (rm.generation != TapeAccess::generation(tp) || rm.node >= static_cast<std::int64_t>(tp.size())))
+    fail("backward", kFreedMsg);
+  static thread_local std::uint64_t epoch = 0;
+  const std::uint64_t mark = ++epoch;
+  rm.visit = mark;
+  Marked found;
+  if (grad.defined() || tp.live() != tp.size() || detail::retain_grad_used()) found = mark_graph(tp, root, seed, mark);
+  SetAside set_aside(found.retained);
+  seed_root(rm, seed, found.seed_aliased);
+  walk(tp, rm.node, mark, keep_tape);
   if (tp.live() == 0) tp.clear();
 }
 

@@ -50,6 +50,12 @@ inline int norm_axis(const char* op, int axis, int ndim, const Shape& shape) {
   return axis < 0 ? axis + ndim : axis;
 }
 
+// An optional tensor (a norm's weight, a Linear's bias) as saved for backward: detached, or
+// undefined when absent; and its data, or null.
+inline Tensor detached(const Tensor& t) { return t.defined() ? t.detach() : Tensor(); }
+template <class T>
+const T* opt_ptr(const Tensor& t) { return t.defined() ? t.data<T>() : nullptr; }
+
 // Row-major strides of a shape, in elements.
 inline std::vector<std::int64_t> strides_of(const Shape& s) {
   std::vector<std::int64_t> st(static_cast<std::size_t>(s.ndim()));

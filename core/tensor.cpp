@@ -8,7 +8,7 @@
 #include "dispatch.h"
 #include "per_thread.h"
 #include "pool.h"
-#include "tapegrad/autograd.h"
+#include "tape_internal.h"
 #include "tapegrad/ops.h"
 
 namespace tg {

@@ -83,7 +83,7 @@ template <class F>
 
 // ---- writing gradients ----
 // A backward kernel either overwrites a fresh gradient buffer or adds into one that already holds
-// another path's contribution (Node::grad_dest): with_acc(acc, f) is with_bool for that flag, and
+// another path's contribution (Node::write_grad): with_acc(acc, f) is with_bool for that flag, and
 // put<A> is the store.
 template <class F>
 [[gnu::always_inline]] inline void with_acc(bool acc, F&& f) {

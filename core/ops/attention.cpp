@@ -33,23 +33,22 @@ Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
       using T = decltype(z);
       kernels::attention_forward(qkv.data<T>(), y.data<T>(), P.data<T>(), B, Tn, C, H, scale);
     });
-  if (should_record({&qkv}))
-    record(
-        op, {&qkv}, {&y},
-        [B, Tn, C, H, scale](Node& n) {
-          detail::dispatch_float("causal_attention", n.grad_out().dtype(), [&](auto z) {
-            using T = decltype(z);
-            GradDest dqkv = n.grad_dest(0);
-            if (dqkv.buf->numel() == 0) return;
-            if (n.grad_out().numel() == 0) {  // no outputs (T = 0 or C = 0): nothing flows back
-              if (!dqkv.acc) std::fill(dqkv.ptr<T>(), dqkv.ptr<T>() + dqkv.buf->numel(), T(0));
-              return;
-            }
-            kernels::attention_backward(n.saved[0].data<T>(), n.saved[1].data<T>(), n.grad_out().data<T>(),
-                                        dqkv.ptr<T>(), B, Tn, C, H, scale, dqkv.acc);
-          });
-        },
-        {qkv.detach(), P});
+  if (should_record({&qkv})) {
+    struct Saved { Tensor qkv, P; };  // P: the attention weights, (B, H, T, T)
+    record(op, {&qkv}, {&y}, Saved{qkv.detach(), P}, [B, Tn, C, H, scale](Node& n, const Saved& s) {  // writes dqkv
+      detail::dispatch_float("causal_attention", s.qkv.dtype(), [&](auto z) {
+        using T = decltype(z);
+        GradDest dqkv = n.write_grad(0);
+        if (dqkv.buf->numel() == 0) return;
+        if (n.grad_out().numel() == 0) {  // no outputs (T = 0 or C = 0): nothing flows back
+          if (!dqkv.acc) std::fill(dqkv.ptr<T>(), dqkv.ptr<T>() + dqkv.buf->numel(), T(0));
+          return;
+        }
+        kernels::attention_backward(s.qkv.data<T>(), s.P.data<T>(), n.grad_out().data<T>(), dqkv.ptr<T>(), B, Tn, C, H,
+                                    scale, dqkv.acc);
+      });
+    });
+  }
   return y;
 }
 

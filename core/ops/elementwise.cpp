@@ -48,28 +48,34 @@ BroadcastPlan make_plan(const Shape& out, const Shape& a, const Shape& b) {
   return p;
 }
 
-template <class T>
-T* mut_ptr_or_null(Tensor t) { return t.defined() ? t.data<T>() : nullptr; }
-
-// Records an op that saves a (when SaveA) and b (when SaveB) for its backward, with no empty slots
-// for the others (a saved slot is a whole Tensor on the tape, and x * 2 + 1 needs neither).
-// saved_ptr<SaveA, SaveB, 0 or 1> reads them back, null when not saved.
-template <bool SaveA, bool SaveB, class F>
-void record_saving(const char* op, const Tensor* in0, const Tensor* in1, Tensor* out, F&& f, const Tensor& a,
-                   const Tensor& b) {
-  auto rec = [&](std::initializer_list<Tensor> saved) {
-    if (in1) record(op, {in0, in1}, {out}, std::forward<F>(f), saved);
-    else record(op, {in0}, {out}, std::forward<F>(f), saved);
-  };
-  if constexpr (SaveA && SaveB) rec({a.detach(), b.detach()});
-  else if constexpr (SaveA) rec({a.detach()});
-  else if constexpr (SaveB) rec({b.detach()});
-  else rec({});
-}
-template <bool SaveA, bool SaveB, int Which, class T>
-const T* saved_ptr(const Node& n) {
-  if constexpr (Which == 0 ? SaveA : SaveB) return n.saved[Which == 1 && SaveA ? 1 : 0].template data<T>();
+// What a binary or unary op saves for its backward: a and/or b, as its Op says (Op::kNeedA /
+// kNeedB, Op::kX / kY), with no empty slot for an operand the backward does not read (x * 2 + 1
+// saves nothing). saved_a / saved_b read them back, null when not saved.
+template <bool A, bool B> struct SavedAB;
+template <> struct SavedAB<true, true> { Tensor a, b; };
+template <> struct SavedAB<true, false> { Tensor a; };
+template <> struct SavedAB<false, true> { Tensor b; };
+template <> struct SavedAB<false, false> {};
+template <class T, class S>
+const T* saved_a(const S& s) {
+  if constexpr (requires { s.a; }) return s.a.template data<T>();
   else return nullptr;
+}
+template <class T, class S>
+const T* saved_b(const S& s) {
+  if constexpr (requires { s.b; }) return s.b.template data<T>();
+  else return nullptr;
+}
+
+// Records op with the SavedAB<SaveA, SaveB> of a and b; backward(Node&, const SavedAB&).
+template <bool SaveA, bool SaveB, class F>
+void record_saving(const char* op, std::initializer_list<const Tensor*> in, Tensor* out, F&& backward,
+                   const Tensor& a, const Tensor& b) {
+  using S = SavedAB<SaveA, SaveB>;
+  if constexpr (SaveA && SaveB) record(op, in, {out}, S{a.detach(), b.detach()}, std::forward<F>(backward));
+  else if constexpr (SaveA) record(op, in, {out}, S{a.detach()}, std::forward<F>(backward));
+  else if constexpr (SaveB) record(op, in, {out}, S{b.detach()}, std::forward<F>(backward));
+  else record(op, in, {out}, [f = std::forward<F>(backward)](Node& n) { f(n, S{}); });
 }
 
 // L when r is one row of out's trailing dims (any leading dims 1), so that out is (M, L) with r
@@ -114,29 +120,27 @@ Tensor binary(const char* name, const Tensor& a, const Tensor& b) {
   });
   if (should_record({&a, &b})) {
     record_saving<Op::kNeedA, Op::kNeedB>(
-        name, &a, &b, &y,
-        [kind, plan, M, L, row_is_b](Node& n) {
+        name, {&a, &b}, &y,
+        [kind, plan, M, L, row_is_b](Node& n, const auto& s) {
           const Tensor& dy = n.grad_out();
           dispatch_float("backward", dy.dtype(), [&](auto z) {
             using T = decltype(z);
-            const T* ap = saved_ptr<Op::kNeedA, Op::kNeedB, 0, T>(n);
-            const T* bp = saved_ptr<Op::kNeedA, Op::kNeedB, 1, T>(n);
-            if (kind == Kind::same) {
+            const T* ap = saved_a<T>(s);
+            const T* bp = saved_b<T>(s);
+            if (kind == Kind::same) {  // writes da and db
               // da is written first, so only db (the last reader of dy) may take dy's buffer.
               const T* dyp = dy.data<T>();
               const std::int64_t count = dy.numel();
-              GradDest da = n.grad_dest(0), db = n.grad_dest_over(1);
+              GradDest da = n.write_grad(0), db = n.write_grad_over_output(1);
               binary_backward_same<T, Op>(ap, bp, dyp, da.ptr<T>(), db.ptr<T>(), count, da.acc, db.acc);
-            } else if (kind == Kind::rows) {
-              // The full operand's gradient is written everywhere; the row's is a sum (accumulated).
-              GradDest full = n.grad_dest(row_is_b ? 0 : 1);
-              Tensor row = n.grad_in(row_is_b ? 1 : 0);
-              T* da = row_is_b ? full.ptr<T>() : mut_ptr_or_null<T>(row);
-              T* db = row_is_b ? mut_ptr_or_null<T>(row) : full.ptr<T>();
+            } else if (kind == Kind::rows) {  // writes the full operand's gradient; adds the row's (a sum)
+              GradDest full = n.write_grad(row_is_b ? 0 : 1);
+              GradDest row = n.add_grad(row_is_b ? 1 : 0);
+              T* da = row_is_b ? full.ptr<T>() : row.ptr<T>();
+              T* db = row_is_b ? row.ptr<T>() : full.ptr<T>();
               binary_backward_rows<T, Op>(ap, bp, dy.data<T>(), da, db, M, L, row_is_b, full.acc);
-            } else {
-              Tensor da = n.grad_in(0), db = n.grad_in(1);
-              binary_backward_broadcast<T, Op>(plan, ap, bp, dy.data<T>(), mut_ptr_or_null<T>(da), mut_ptr_or_null<T>(db));
+            } else {  // adds da and db (sums over the broadcast dims)
+              binary_backward_broadcast<T, Op>(plan, ap, bp, dy.data<T>(), n.add_grad(0).ptr<T>(), n.add_grad(1).ptr<T>());
             }
           });
         },
@@ -145,19 +149,18 @@ Tensor binary(const char* name, const Tensor& a, const Tensor& b) {
   return y;
 }
 
-// The backward of a recorded unary op: dx (+)= dy * op.df(x, y), x and y read from the node's
-// saved tensors (saved_ptr<SaveX, SaveY, ...>: null when not saved).
-template <bool SaveX, bool SaveY, class Op>
-void unary_node_backward(Node& n, Op op) {
+// The backward of a recorded unary op: writes dx = dy * op.df(x, y), x and y read from what the
+// node saved (s.a = x, s.b = y; null when not saved).
+template <class Op, class S>
+void unary_node_backward(Node& n, const S& s, Op op) {
   const Tensor& dy = n.grad_out();
-  const void* dyp = dy.raw_data();  // before grad_dest_over, which may take dy's buffer
+  const void* dyp = dy.raw_data();  // before write_grad_over_output, which may take dy's buffer
   const DType dt = dy.dtype();
   const std::int64_t count = dy.numel();
-  GradDest dx = n.grad_dest_over(0);
+  GradDest dx = n.write_grad_over_output(0);
   dispatch_float("backward", dt, [&](auto z) {
     using T = decltype(z);
-    unary_backward<T>(saved_ptr<SaveX, SaveY, 0, T>(n), saved_ptr<SaveX, SaveY, 1, T>(n), static_cast<const T*>(dyp),
-                      dx.ptr<T>(), count, op, dx.acc);
+    unary_backward<T>(saved_a<T>(s), saved_b<T>(s), static_cast<const T*>(dyp), dx.ptr<T>(), count, op, dx.acc);
   });
 }
 
@@ -179,7 +182,8 @@ Tensor unary_saving_deriv(const char* name, const Tensor& x, Op op) {
     using T = decltype(z);
     unary_forward_deriv<T>(x.data<T>(), y.data<T>(), d.data<T>(), x.numel(), op);
   });
-  record(name, {&x}, {&y}, [](Node& n) { unary_node_backward<true, false>(n, SavedDerivOp{}); }, {d});
+  using Saved = SavedAB<true, false>;  // a = f'(x)
+  record(name, {&x}, {&y}, Saved{d}, [](Node& n, const Saved& s) { unary_node_backward(n, s, SavedDerivOp{}); });
   return y;
 }
 
@@ -196,7 +200,7 @@ Tensor unary(const char* name, const Tensor& x, Op op) {
   if constexpr (!has_fdf<Op>()) {
     if (should_record({&x}))
       record_saving<Op::kX, Op::kY>(
-          name, &x, nullptr, &y, [op](Node& n) { unary_node_backward<Op::kX, Op::kY>(n, op); }, x, y);
+          name, {&x}, &y, [op](Node& n, const auto& s) { unary_node_backward(n, s, op); }, x, y);
   }
   return y;
 }

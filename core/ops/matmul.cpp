@@ -95,6 +95,75 @@ bool is_distinct(const std::vector<std::int64_t>& idx) {
   return true;
 }
 
+
+// What matmul's backward reads, and the geometry it shares with the forward: leading dimensions
+// (lda, ldb) and the strides of one batch entry of A, B and C (sa, sb, sc).
+struct MatmulSaved { Tensor a, b; };
+struct MatmulGeom { std::int64_t lda, ldb, sa, sb, sc; };
+
+// C = op(A) op(B) per batch entry (or one folded product).
+template <class T>
+void matmul_forward(const MatmulPlan& p, const MatmulGeom& g, const T* A, const T* B, T* C, std::int64_t numel) {
+  if (p.M * p.N == 0) return;
+  if (p.K == 0) {  // an empty sum: zeros (and no BLAS call with a zero leading dimension)
+    std::fill(C, C + numel, T(0));
+    return;
+  }
+  if (p.fold) {
+    gemm<T>(false, p.tb, p.batch * p.M, p.N, p.K, T(1), A, g.lda, B, g.ldb, T(0), C, p.N);
+    return;
+  }
+  for_batch(p.batch, p.M * p.N * p.K, true, [&](std::int64_t i) {
+    gemm<T>(p.ta, p.tb, p.M, p.N, p.K, T(1), A + p.ia[i] * g.sa, g.lda, B + p.ib[i] * g.sb, g.ldb, T(0), C + i * g.sc, p.N);
+  });
+}
+
+// dA (+)= dC op(B)^T (or op(B) dC^T when A is transposed) and dB (+)= op(A)^T dC (or dC^T op(A)),
+// per batch entry. A gradient buffer whose every element one gemm writes takes beta = 0 when
+// fresh; where broadcast batch entries share a destination, the gemms add (zero-filled, beta = 1).
+template <class T>
+void matmul_backward(Node& n, const MatmulSaved& s, const MatmulPlan& p, const MatmulGeom& g) {
+  const bool whole_a = p.fold || is_distinct(p.ia), whole_b = p.fold || is_distinct(p.ib);
+  GradDest dA = whole_a ? n.write_grad(0) : n.add_grad(0);
+  GradDest dB = whole_b ? n.write_grad(1) : n.add_grad(1);
+  const T* A = s.a.data<T>();
+  const T* B = s.b.data<T>();
+  const T* G = n.grad_out().data<T>();
+  const bool ta = p.ta, tb = p.tb;
+  const T beta_a = dA.acc ? T(1) : T(0), beta_b = dB.acc ? T(1) : T(0);
+  if (p.fold) {
+    const std::int64_t BM = p.batch * p.M;
+    // dA (BM, K) (+)= dC (BM, N) op(B)^T
+    if (dA.defined()) gemm<T>(false, !tb, BM, p.K, p.N, T(1), G, p.N, B, g.ldb, beta_a, dA.ptr<T>(), g.lda);
+    // dB (+)= A^T dC  (B stored (K, N)),  or  dC^T A  (B stored (N, K))
+    if (dB.defined()) {
+      if (!tb) gemm<T>(true, false, p.K, p.N, BM, T(1), A, g.lda, G, p.N, beta_b, dB.ptr<T>(), g.ldb);
+      else gemm<T>(true, false, p.N, p.K, BM, T(1), G, p.N, A, g.lda, beta_b, dB.ptr<T>(), g.ldb);
+    }
+    return;
+  }
+  if (dA.defined()) {
+    T* D = dA.ptr<T>();
+    for_batch(p.batch, p.M * p.N * p.K, is_distinct(p.ia), [&](std::int64_t i) {
+      const T* Bi = B + p.ib[i] * g.sb;
+      const T* Gi = G + i * g.sc;
+      T* Di = D + p.ia[i] * g.sa;
+      if (!ta) gemm<T>(false, !tb, p.M, p.K, p.N, T(1), Gi, p.N, Bi, g.ldb, beta_a, Di, g.lda);  // dC op(B)^T
+      else gemm<T>(tb, true, p.K, p.M, p.N, T(1), Bi, g.ldb, Gi, p.N, beta_a, Di, g.lda);        // op(B) dC^T
+    });
+  }
+  if (dB.defined()) {
+    T* D = dB.ptr<T>();
+    for_batch(p.batch, p.M * p.N * p.K, is_distinct(p.ib), [&](std::int64_t i) {
+      const T* Ai = A + p.ia[i] * g.sa;
+      const T* Gi = G + i * g.sc;
+      T* Di = D + p.ib[i] * g.sb;
+      if (!tb) gemm<T>(!ta, false, p.K, p.N, p.M, T(1), Ai, g.lda, Gi, p.N, beta_b, Di, g.ldb);  // op(A)^T dC
+      else gemm<T>(true, ta, p.N, p.K, p.M, T(1), Gi, p.N, Ai, g.lda, beta_b, Di, g.ldb);        // dC^T op(A)
+    });
+  }
+}
+
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
@@ -105,83 +174,60 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   const MatmulPlan p = plan_matmul(a, b, ta, tb, out);
   Tensor y = Tensor::empty(out, a.dtype());
   const std::int64_t lda = a.size(-1), ldb = b.size(-1);
-  const std::int64_t sa = a.size(-2) * lda, sb = b.size(-2) * ldb, sc = p.M * p.N;
+  const MatmulGeom g{lda, ldb, a.size(-2) * lda, b.size(-2) * ldb, p.M * p.N};
   dispatch_float("matmul", a.dtype(), [&](auto z) {
     using T = decltype(z);
-    const T *A = a.data<T>(), *B = b.data<T>();
-    T* C = y.data<T>();
-    if (p.M * p.N == 0) return;
-    if (p.K == 0) {  // an empty sum: zeros (and no BLAS call with a zero leading dimension)
-      std::fill(C, C + y.numel(), T(0));
-      return;
-    }
-    if (p.fold) {
-      gemm<T>(false, tb, p.batch * p.M, p.N, p.K, T(1), A, lda, B, ldb, T(0), C, p.N);
-      return;
-    }
-    for_batch(p.batch, p.M * p.N * p.K, true, [&](std::int64_t i) {
-      gemm<T>(ta, tb, p.M, p.N, p.K, T(1), A + p.ia[i] * sa, lda, B + p.ib[i] * sb, ldb, T(0), C + i * sc, p.N);
-    });
+    matmul_forward<T>(p, g, a.data<T>(), b.data<T>(), y.data<T>(), y.numel());
   });
   if (should_record({&a, &b})) {
-    record(
-        "matmul", {&a, &b}, {&y},
-        [p, lda, ldb, sa, sb, sc](Node& n) {
-          const Tensor& dC = n.grad_out();
-          if (p.batch * p.M * p.N * p.K == 0) {  // empty products: the gradients are zeros (or empty)
-            n.grad_in(0);
-            n.grad_in(1);
-            return;
-          }
-          // A gradient buffer whose every element one gemm writes takes beta = 0 when fresh; where
-          // broadcast batch entries share a destination, the gemms must add (zero-filled, beta = 1).
-          const bool whole_a = p.fold || is_distinct(p.ia), whole_b = p.fold || is_distinct(p.ib);
-          GradDest dA = whole_a ? n.grad_dest(0) : n.grad_add(0);
-          GradDest dB = whole_b ? n.grad_dest(1) : n.grad_add(1);
-          dispatch_float("matmul", dC.dtype(), [&](auto z) {
-            using T = decltype(z);
-            const T* A = n.saved[0].data<T>();
-            const T* B = n.saved[1].data<T>();
-            const T* G = dC.data<T>();
-            const bool ta = p.ta, tb = p.tb;
-            const T beta_a = dA.acc ? T(1) : T(0), beta_b = dB.acc ? T(1) : T(0);
-            if (p.fold) {
-              const std::int64_t BM = p.batch * p.M;
-              // dA (BM, K) (+)= dC (BM, N) op(B)^T
-              if (dA.defined()) gemm<T>(false, !tb, BM, p.K, p.N, T(1), G, p.N, B, ldb, beta_a, dA.ptr<T>(), lda);
-              // dB (+)= A^T dC  (B stored (K, N)),  or  dC^T A  (B stored (N, K))
-              if (dB.defined()) {
-                if (!tb) gemm<T>(true, false, p.K, p.N, BM, T(1), A, lda, G, p.N, beta_b, dB.ptr<T>(), ldb);
-                else gemm<T>(true, false, p.N, p.K, BM, T(1), G, p.N, A, lda, beta_b, dB.ptr<T>(), ldb);
-              }
-              return;
-            }
-            if (dA.defined()) {
-              T* D = dA.ptr<T>();
-              for_batch(p.batch, p.M * p.N * p.K, is_distinct(p.ia), [&](std::int64_t i) {
-                const T* Bi = B + p.ib[i] * sb;
-                const T* Gi = G + i * sc;
-                T* Di = D + p.ia[i] * sa;
-                if (!ta) gemm<T>(false, !tb, p.M, p.K, p.N, T(1), Gi, p.N, Bi, ldb, beta_a, Di, lda);  // dC op(B)^T
-                else gemm<T>(tb, true, p.K, p.M, p.N, T(1), Bi, ldb, Gi, p.N, beta_a, Di, lda);        // op(B) dC^T
-              });
-            }
-            if (dB.defined()) {
-              T* D = dB.ptr<T>();
-              for_batch(p.batch, p.M * p.N * p.K, is_distinct(p.ib), [&](std::int64_t i) {
-                const T* Ai = A + p.ia[i] * sa;
-                const T* Gi = G + i * sc;
-                T* Di = D + p.ib[i] * sb;
-                if (!tb) gemm<T>(!ta, false, p.K, p.N, p.M, T(1), Ai, lda, Gi, p.N, beta_b, Di, ldb);  // op(A)^T dC
-                else gemm<T>(true, ta, p.N, p.K, p.M, T(1), Gi, p.N, Ai, lda, beta_b, Di, ldb);        // dC^T op(A)
-              });
-            }
-          });
-        },
-        {a.detach(), b.detach()});
+    record("matmul", {&a, &b}, {&y}, MatmulSaved{a.detach(), b.detach()},
+           [p, g](Node& n, const MatmulSaved& s) {  // writes dA and dB (adds where batch entries share one)
+             if (p.batch * p.M * p.N * p.K == 0) {  // empty products: the gradients are zeros (or empty)
+               n.add_grad(0);
+               n.add_grad(1);
+               return;
+             }
+             dispatch_float("matmul", s.a.dtype(), [&](auto z) { matmul_backward<decltype(z)>(n, s, p, g); });
+           });
   }
   return y;
 }
+
+namespace {
+
+// linear's backward: dx (rows, in) (+)= dy w;  dw (out, in) (+)= dy^T x;  db (+)= column sums of
+// dy. dx and dw take the same number of multiply-adds and are computed side by side
+// (kernels::gemm_pair) unless x and w are one tensor, whose gradient the two then write in turn.
+struct LinearSaved { Tensor x, w; };
+template <class T>
+void linear_backward(Node& n, const LinearSaved& s, std::int64_t rows, std::int64_t in, std::int64_t out) {
+  const T* G = n.grad_out().data<T>();
+  if (rows * out * in == 0) {  // empty products: zero (or empty) gradients for x and w
+    n.add_grad(0);
+    n.add_grad(1);
+  } else {
+    GradDest dx = n.write_grad(0), dw = n.write_grad(1);
+    const kernels::Gemm<T> px{false, false, rows, in, out, T(1), G, out, s.w.data<T>(), in, dx.acc ? T(1) : T(0),
+                              dx.ptr<T>(), in};
+    const kernels::Gemm<T> pw{true, false, out, in, rows, T(1), G, out, s.x.data<T>(), in, dw.acc ? T(1) : T(0),
+                              dw.ptr<T>(), in};
+    if (dx.defined() && dw.defined() && dx.buf != dw.buf) kernels::gemm_pair(px, pw);
+    else {
+      if (dx.defined()) kernels::gemm(px);
+      if (dw.defined()) kernels::gemm(pw);
+    }
+  }
+  if (GradDest db = n.write_grad(2); db.defined()) {
+    if (!db.acc) kernels::sum_forward(G, db.ptr<T>(), 1, rows, out, 1.0);
+    else {
+      std::vector<T> col(static_cast<std::size_t>(out));
+      kernels::sum_forward(G, col.data(), 1, rows, out, 1.0);
+      for (std::int64_t j = 0; j < out; ++j) db.ptr<T>()[j] += col[static_cast<std::size_t>(j)];
+    }
+  }
+}
+
+}  // namespace
 
 // linear: y = x w^T + b over the rows of x, PyTorch's F.linear. The bias rows are written into y
 // where the gemm would otherwise zero-fill it (kernels/gemm.cpp), and the gemm adds the product to
@@ -220,42 +266,10 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
     else if (!b.defined()) std::fill(Y, Y + rows * out, T(0));  // an empty sum
   });
   if (should_record({&x, &w, &b})) {
-    record(
-        op, {&x, &w, &b}, {&y},
-        [rows, in, out](Node& n) {
-          const Tensor& dY = n.grad_out();
-          dispatch_float("linear", dY.dtype(), [&](auto z) {
-            using T = decltype(z);
-            const T* G = dY.data<T>();
-            if (rows * out * in == 0) {  // empty products: zero (or empty) gradients for x and w
-              if (n.needs_grad(0)) n.grad_in(0);
-              if (n.needs_grad(1)) n.grad_in(1);
-            } else {
-              GradDest dx = n.grad_dest(0), dw = n.grad_dest(1);
-              // dx (rows, in) (+)= dy w;  dw (out, in) (+)= dy^T x: the same number of multiply-adds,
-              // computed side by side (kernels::gemm_pair) unless x and w are one tensor, whose
-              // gradient the two then write in turn.
-              const kernels::Gemm<T> px{false, false, rows, in, out, T(1), G, out, n.saved[1].data<T>(), in,
-                                        dx.acc ? T(1) : T(0), dx.ptr<T>(), in};
-              const kernels::Gemm<T> pw{true, false, out, in, rows, T(1), G, out, n.saved[0].data<T>(), in,
-                                        dw.acc ? T(1) : T(0), dw.ptr<T>(), in};
-              if (dx.defined() && dw.defined() && dx.buf != dw.buf) kernels::gemm_pair(px, pw);
-              else {
-                if (dx.defined()) kernels::gemm(px);
-                if (dw.defined()) kernels::gemm(pw);
-              }
-            }
-            if (GradDest db = n.grad_dest(2); db.defined()) {  // db (+)= column sums of dy
-              if (!db.acc) kernels::sum_forward(G, db.ptr<T>(), 1, rows, out, 1.0);
-              else {
-                std::vector<T> col(static_cast<std::size_t>(out));
-                kernels::sum_forward(G, col.data(), 1, rows, out, 1.0);
-                for (std::int64_t j = 0; j < out; ++j) db.ptr<T>()[j] += col[static_cast<std::size_t>(j)];
-              }
-            }
-          });
-        },
-        {x.detach(), w.detach()});
+    record(op, {&x, &w, &b}, {&y}, LinearSaved{x.detach(), w.detach()},
+           [rows, in, out](Node& n, const LinearSaved& s) {  // writes dx, dw and db
+             dispatch_float("linear", s.x.dtype(), [&](auto z) { linear_backward<decltype(z)>(n, s, rows, in, out); });
+           });
   }
   return y;
 }

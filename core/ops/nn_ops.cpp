@@ -22,6 +22,8 @@ void check_last_axis(const char* op, const Tensor& x, int axis) {
   if (a != x.dim() - 1) fail(op, "only the last axis is supported, got axis ", axis, " for shape ", x.shape());
 }
 
+struct SoftmaxSaved { Tensor y; };  // the output: softmax's derivative is written in y
+
 template <bool Log>
 Tensor softmax_impl(const char* op, const Tensor& x, int axis) {
   check_last_axis(op, x, axis);
@@ -32,18 +34,16 @@ Tensor softmax_impl(const char* op, const Tensor& x, int axis) {
     if constexpr (Log) log_softmax_forward(x.data<T>(), y.data<T>(), rows, C);
     else softmax_forward(x.data<T>(), y.data<T>(), rows, C);
   });
-  if (should_record({&x}))
-    record(
-        op, {&x}, {&y},
-        [rows, C](Node& n) {
-          GradDest dx = n.grad_dest(0);
-          dispatch_float("softmax", dx.buf->dtype(), [&](auto z) {
-            using T = decltype(z);
-            if constexpr (Log) log_softmax_backward(n.saved[0].data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, C, dx.acc);
-            else softmax_backward(n.saved[0].data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, C, dx.acc);
-          });
-        },
-        {y.detach()});
+  if (should_record({&x})) {
+    record(op, {&x}, {&y}, SoftmaxSaved{y.detach()}, [rows, C](Node& n, const SoftmaxSaved& s) {  // writes dx
+      GradDest dx = n.write_grad(0);
+      dispatch_float("softmax", s.y.dtype(), [&](auto z) {
+        using T = decltype(z);
+        if constexpr (Log) log_softmax_backward(s.y.data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, C, dx.acc);
+        else softmax_backward(s.y.data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, C, dx.acc);
+      });
+    });
+  }
   return y;
 }
 
@@ -88,24 +88,23 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
       for (std::int64_t i = lo; i < hi; ++i) yp[i] = mp[i] ? v : xp[i];
     });
   });
-  if (should_record({&x}))
-    record(
-        "masked_fill", {&x}, {&y},
-        [n](Node& n_) {
-          GradDest dx = n_.grad_dest(0);
-          const std::int32_t* mk = n_.saved[0].data<std::int32_t>();
-          dispatch_float("masked_fill", dx.buf->dtype(), [&](auto z) {
-            using T = decltype(z);
-            const T* g = n_.grad_out().data<T>();
-            T* d = dx.ptr<T>();
-            kernels::with_acc(dx.acc, [&](auto A) {
-              kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-                for (std::int64_t i = lo; i < hi; ++i) kernels::put<decltype(A)>(d[i], mk[i] ? T(0) : g[i]);
-              });
-            });
+  if (should_record({&x})) {
+    struct Saved { Tensor mask; };  // int32, x's shape: dx = mask ? 0 : dy
+    record("masked_fill", {&x}, {&y}, Saved{m}, [n](Node& nd, const Saved& s) {  // writes dx
+      GradDest dx = nd.write_grad(0);
+      const std::int32_t* mk = s.mask.data<std::int32_t>();
+      dispatch_float("masked_fill", dx.buf->dtype(), [&](auto z) {
+        using T = decltype(z);
+        const T* g = nd.grad_out().data<T>();
+        T* d = dx.ptr<T>();
+        kernels::with_acc(dx.acc, [&](auto A) {
+          kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+            for (std::int64_t i = lo; i < hi; ++i) kernels::put<decltype(A)>(d[i], mk[i] ? T(0) : g[i]);
           });
-        },
-        {m});
+        });
+      });
+    });
+  }
   return y;
 }
 
@@ -135,17 +134,16 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
     using T = decltype(z);
     embedding_forward(weight.data<T>(), ip, y.data<T>(), rows, C);
   });
-  if (should_record({&weight}))
-    record(
-        "embedding", {&weight, &ids}, {&y},
-        [rows, C](Node& n) {
-          Tensor dw = n.grad_in(0);
-          dispatch_float("embedding", dw.dtype(), [&](auto z) {
-            using T = decltype(z);
-            embedding_backward(n.grad_out().data<T>(), n.saved[0].data<std::int32_t>(), dw.data<T>(), rows, C);
-          });
-        },
-        {ids.detach()});
+  if (should_record({&weight})) {
+    struct Saved { Tensor ids; };
+    record("embedding", {&weight, &ids}, {&y}, Saved{ids.detach()}, [rows, C](Node& n, const Saved& s) {
+      GradDest dw = n.add_grad(0);  // adds: dw[ids[r]] += dy[r], rows may repeat an id
+      dispatch_float("embedding", dw.buf->dtype(), [&](auto z) {
+        using T = decltype(z);
+        embedding_backward(n.grad_out().data<T>(), s.ids.data<std::int32_t>(), dw.ptr<T>(), rows, C);
+      });
+    });
+  }
   return y;
 }
 
@@ -175,19 +173,19 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, std::int64_t i
     const double total = cross_entropy_forward(logits.data<T>(), tp, lse.data<T>(), rows, V, ignore_index);
     y.data<T>()[0] = static_cast<T>(total / static_cast<double>(count));
   });
-  if (should_record({&logits}))
-    record(
-        op, {&logits, &targets}, {&y},
-        [rows, V, count, ignore_index](Node& n) {
-          GradDest dx = n.grad_dest(0);
-          dispatch_float("cross_entropy", dx.buf->dtype(), [&](auto z) {
-            using T = decltype(z);
-            const T scale = n.grad_out().data<T>()[0] / static_cast<T>(count);
-            cross_entropy_backward(n.saved[0].data<T>(), n.saved[1].data<std::int32_t>(), n.saved[2].data<T>(), scale,
-                                   dx.ptr<T>(), rows, V, ignore_index, dx.acc);
-          });
-        },
-        {logits.detach(), targets.detach(), lse});
+  if (should_record({&logits})) {
+    struct Saved { Tensor logits, targets, lse; };  // lse: each row's log-sum-exp
+    record(op, {&logits, &targets}, {&y}, Saved{logits.detach(), targets.detach(), lse},
+           [rows, V, count, ignore_index](Node& n, const Saved& s) {  // writes dlogits
+             GradDest dx = n.write_grad(0);
+             dispatch_float("cross_entropy", dx.buf->dtype(), [&](auto z) {
+               using T = decltype(z);
+               const T scale = n.grad_out().data<T>()[0] / static_cast<T>(count);
+               cross_entropy_backward(s.logits.data<T>(), s.targets.data<std::int32_t>(), s.lse.data<T>(), scale,
+                                      dx.ptr<T>(), rows, V, ignore_index, dx.acc);
+             });
+           });
+  }
   return y;
 }
 
@@ -213,24 +211,23 @@ Tensor dropout(const Tensor& x, double p, bool train) {
       }
     });
   });
-  if (should_record({&x}))
-    record(
-        "dropout", {&x}, {&y},
-        [n](Node& nd) {
-          GradDest dx = nd.grad_dest(0);
-          dispatch_float("dropout", dx.buf->dtype(), [&](auto z) {
-            using T = decltype(z);
-            const T* m = nd.saved[0].data<T>();
-            const T* g = nd.grad_out().data<T>();
-            T* d = dx.ptr<T>();
-            kernels::with_acc(dx.acc, [&](auto A) {
-              kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-                for (std::int64_t i = lo; i < hi; ++i) kernels::put<decltype(A)>(d[i], g[i] * m[i]);
-              });
-            });
+  if (should_record({&x})) {
+    struct Saved { Tensor mask; };  // 0 or 1 / (1 - p) per element: dx = dy * mask
+    record("dropout", {&x}, {&y}, Saved{mask}, [n](Node& nd, const Saved& s) {  // writes dx
+      GradDest dx = nd.write_grad(0);
+      dispatch_float("dropout", dx.buf->dtype(), [&](auto z) {
+        using T = decltype(z);
+        const T* m = s.mask.data<T>();
+        const T* g = nd.grad_out().data<T>();
+        T* d = dx.ptr<T>();
+        kernels::with_acc(dx.acc, [&](auto A) {
+          kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+            for (std::int64_t i = lo; i < hi; ++i) kernels::put<decltype(A)>(d[i], g[i] * m[i]);
           });
-        },
-        {mask});
+        });
+      });
+    });
+  }
   return y;
 }
 

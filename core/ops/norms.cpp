@@ -10,14 +10,12 @@
 namespace tg {
 
 using namespace kernels;
+using detail::detached;
 using detail::dispatch_float;
+using detail::opt_ptr;
 
 namespace {
 
-template <class T>
-const T* opt_ptr(const Tensor& t) { return t.defined() ? t.data<T>() : nullptr; }
-template <class T>
-T* opt_mut(Tensor t) { return t.defined() ? t.data<T>() : nullptr; }
 
 // A per-feature parameter (gain, bias, running statistic) must be undefined or (C,) of x's dtype.
 void check_param(const char* op, const char* what, const Tensor& p, const Tensor& x, std::int64_t C) {
@@ -61,19 +59,19 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
     layer_norm_forward(x.data<T>(), opt_ptr<T>(weight), opt_ptr<T>(bias), y.data<T>(), mean.data<double>(), rstd.data<T>(),
                        rows, C, eps);
   });
-  if (should_record({&x, &weight, &bias}))
-    record(
-        op, {&x, &weight, &bias}, {&y},
-        [rows, C](Node& n) {
-          dispatch_float("layer_norm", n.grad_out().dtype(), [&](auto z) {
-            using T = decltype(z);
-            GradDest dx = n.grad_dest(0);
-            layer_norm_backward(n.saved[0].data<T>(), opt_ptr<T>(n.saved[1]), n.saved[2].data<double>(), n.saved[3].data<T>(),
-                                n.grad_out().data<T>(), dx.ptr<T>(), opt_mut<T>(n.grad_in(1)),
-                                opt_mut<T>(n.grad_in(2)), rows, C, dx.acc);
-          });
-        },
-        {x.detach(), weight.defined() ? weight.detach() : Tensor(), mean, rstd});
+  if (should_record({&x, &weight, &bias})) {
+    struct Saved { Tensor x, weight, mean, rstd; };  // weight undefined when absent
+    record(op, {&x, &weight, &bias}, {&y}, Saved{x.detach(), detached(weight), mean, rstd},
+           [rows, C](Node& n, const Saved& s) {  // writes dx; adds dweight, dbias
+             dispatch_float("layer_norm", s.x.dtype(), [&](auto z) {
+               using T = decltype(z);
+               GradDest dx = n.write_grad(0);
+               layer_norm_backward(s.x.data<T>(), opt_ptr<T>(s.weight), s.mean.data<double>(), s.rstd.data<T>(),
+                                   n.grad_out().data<T>(), dx.ptr<T>(), n.add_grad(1).ptr<T>(), n.add_grad(2).ptr<T>(),
+                                   rows, C, dx.acc);
+             });
+           });
+  }
   return y;
 }
 
@@ -88,18 +86,18 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, doubl
     using T = decltype(z);
     rms_norm_forward(x.data<T>(), opt_ptr<T>(weight), opt_ptr<T>(bias), y.data<T>(), rrms.data<T>(), rows, C, k, eps);
   });
-  if (should_record({&x, &weight, &bias}))
-    record(
-        p < 1 ? "prms_norm" : "rms_norm", {&x, &weight, &bias}, {&y},
-        [rows, C, k](Node& n) {
-          dispatch_float("rms_norm", n.grad_out().dtype(), [&](auto z) {
-            using T = decltype(z);
-            GradDest dx = n.grad_dest(0);
-            rms_norm_backward(n.saved[0].data<T>(), opt_ptr<T>(n.saved[1]), n.saved[2].data<T>(), n.grad_out().data<T>(),
-                              dx.ptr<T>(), opt_mut<T>(n.grad_in(1)), opt_mut<T>(n.grad_in(2)), rows, C, k, dx.acc);
-          });
-        },
-        {x.detach(), weight.defined() ? weight.detach() : Tensor(), rrms});
+  if (should_record({&x, &weight, &bias})) {
+    struct Saved { Tensor x, weight, rrms; };  // weight undefined when absent
+    record(p < 1 ? "prms_norm" : "rms_norm", {&x, &weight, &bias}, {&y}, Saved{x.detach(), detached(weight), rrms},
+           [rows, C, k](Node& n, const Saved& s) {  // writes dx; adds dweight, dbias
+             dispatch_float("rms_norm", s.x.dtype(), [&](auto z) {
+               using T = decltype(z);
+               GradDest dx = n.write_grad(0);
+               rms_norm_backward(s.x.data<T>(), opt_ptr<T>(s.weight), s.rrms.data<T>(), n.grad_out().data<T>(),
+                                 dx.ptr<T>(), n.add_grad(1).ptr<T>(), n.add_grad(2).ptr<T>(), rows, C, k, dx.acc);
+             });
+           });
+  }
   return y;
 }
 
@@ -157,19 +155,20 @@ Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& run
       batch_norm_apply(x.data<T>(), opt_ptr<T>(weight), opt_ptr<T>(bias), y.data<T>(), mu, rs, R, C);
     }
   });
-  if (should_record({&x, &weight, &bias}))
-    record(
-        batch_stats ? "batch_norm" : "batch_norm_eval", {&x, &weight, &bias}, {&y},
-        [R, C, batch_stats](Node& n) {
-          dispatch_float("batch_norm", n.grad_out().dtype(), [&](auto z) {
-            using T = decltype(z);
-            GradDest dx = n.grad_dest(0);
-            batch_norm_backward(n.saved[0].data<T>(), opt_ptr<T>(n.saved[1]), n.saved[2].data<double>(),
-                                n.saved[3].data<T>(), n.grad_out().data<T>(), dx.ptr<T>(),
-                                opt_mut<T>(n.grad_in(1)), opt_mut<T>(n.grad_in(2)), R, C, batch_stats, dx.acc);
-          });
-        },
-        {x.detach(), weight.defined() ? weight.detach() : Tensor(), mean, rstd});
+  if (should_record({&x, &weight, &bias})) {
+    struct Saved { Tensor x, weight, mean, rstd; };  // weight undefined when absent
+    record(batch_stats ? "batch_norm" : "batch_norm_eval", {&x, &weight, &bias}, {&y},
+           Saved{x.detach(), detached(weight), mean, rstd},
+           [R, C, batch_stats](Node& n, const Saved& s) {  // writes dx; adds dweight, dbias
+             dispatch_float("batch_norm", s.x.dtype(), [&](auto z) {
+               using T = decltype(z);
+               GradDest dx = n.write_grad(0);
+               batch_norm_backward(s.x.data<T>(), opt_ptr<T>(s.weight), s.mean.data<double>(), s.rstd.data<T>(),
+                                   n.grad_out().data<T>(), dx.ptr<T>(), n.add_grad(1).ptr<T>(), n.add_grad(2).ptr<T>(),
+                                   R, C, batch_stats, dx.acc);
+             });
+           });
+  }
   return y;
 }
 
@@ -187,18 +186,18 @@ Tensor weight_norm(const Tensor& v, const Tensor& g) {
     using T = decltype(z);
     weight_norm_forward(v.data<T>(), g.data<T>(), w.data<T>(), norm.data<T>(), rows, n);
   });
-  if (should_record({&v, &g}))
-    record(
-        op, {&v, &g}, {&w},
-        [rows, n](Node& nd) {
-          dispatch_float("weight_norm", nd.grad_out().dtype(), [&](auto z) {
-            using T = decltype(z);
-            GradDest dv = nd.grad_dest(0);
-            weight_norm_backward(nd.saved[0].data<T>(), nd.saved[1].data<T>(), nd.saved[2].data<T>(),
-                                 nd.grad_out().data<T>(), dv.ptr<T>(), opt_mut<T>(nd.grad_in(1)), rows, n, dv.acc);
-          });
-        },
-        {v.detach(), g.detach(), norm});
+  if (should_record({&v, &g})) {
+    struct Saved { Tensor v, g, norm; };
+    record(op, {&v, &g}, {&w}, Saved{v.detach(), g.detach(), norm},
+           [rows, n](Node& nd, const Saved& s) {  // writes dv; adds dg
+             dispatch_float("weight_norm", s.v.dtype(), [&](auto z) {
+               using T = decltype(z);
+               GradDest dv = nd.write_grad(0);
+               weight_norm_backward(s.v.data<T>(), s.g.data<T>(), s.norm.data<T>(), nd.grad_out().data<T>(), dv.ptr<T>(),
+                                    nd.add_grad(1).ptr<T>(), rows, n, dv.acc);
+             });
+           });
+  }
   return w;
 }
 
@@ -213,17 +212,16 @@ Tensor scaled_causal_softmax(const Tensor& x, double scale) {
     using T = decltype(z);
     causal_softmax_forward(x.data<T>(), y.data<T>(), rows, Tn, scale);
   });
-  if (should_record({&x}))
-    record(
-        op, {&x}, {&y},
-        [rows, Tn, scale](Node& n) {
-          dispatch_float("scaled_causal_softmax", n.grad_out().dtype(), [&](auto z) {
-            using T = decltype(z);
-            GradDest dx = n.grad_dest(0);
-            causal_softmax_backward(n.saved[0].data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, Tn, scale, dx.acc);
-          });
-        },
-        {y.detach()});
+  if (should_record({&x})) {
+    struct Saved { Tensor y; };  // the softmax's output: dx = scale * y * (dy - sum(dy * y))
+    record(op, {&x}, {&y}, Saved{y.detach()}, [rows, Tn, scale](Node& n, const Saved& s) {  // writes dx
+      dispatch_float("scaled_causal_softmax", s.y.dtype(), [&](auto z) {
+        using T = decltype(z);
+        GradDest dx = n.write_grad(0);
+        causal_softmax_backward(s.y.data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, Tn, scale, dx.acc);
+      });
+    });
+  }
   return y;
 }
 

@@ -89,8 +89,8 @@ Tensor sum(const Tensor& x, const std::vector<int>& axes, bool keepdim) {
     sum_forward(reduce_layout(x, p).data<T>(), y.data<T>(), p.O, p.R, p.I, 1.0);
   });
   if (should_record({&x}))
-    record("sum", {&x}, {&y}, [p](Node& n) {
-      backward_in_layout(n.grad_in(0), p, [&](Tensor dx) {
+    record("sum", {&x}, {&y}, [p](Node& n) {  // adds dx += dy, broadcast over the reduced axes
+      backward_in_layout(n.add_grad(0).tensor(), p, [&](Tensor dx) {
         dispatch_float("sum", dx.dtype(), [&](auto z) {
           using T = decltype(z);
           sum_backward(n.grad_out().data<T>(), dx.data<T>(), p.O, p.R, p.I, 1.0);
@@ -111,8 +111,8 @@ Tensor mean(const Tensor& x, const std::vector<int>& axes, bool keepdim) {
     sum_forward(reduce_layout(x, p).data<T>(), y.data<T>(), p.O, p.R, p.I, scale);
   });
   if (should_record({&x}))
-    record("mean", {&x}, {&y}, [p, scale](Node& n) {
-      backward_in_layout(n.grad_in(0), p, [&](Tensor dx) {
+    record("mean", {&x}, {&y}, [p, scale](Node& n) {  // adds dx += dy / R
+      backward_in_layout(n.add_grad(0).tensor(), p, [&](Tensor dx) {
         dispatch_float("mean", dx.dtype(), [&](auto z) {
           using T = decltype(z);
           sum_backward(n.grad_out().data<T>(), dx.data<T>(), p.O, p.R, p.I, scale);
@@ -136,19 +136,17 @@ Tensor var(const Tensor& x, const std::vector<int>& axes, bool keepdim, int corr
     using T = decltype(z);
     var_forward(xl.data<T>(), y.data<T>(), mu.data<T>(), p.O, p.R, p.I, correction);
   });
-  if (should_record({&x}))
-    record(
-        "var", {&x}, {&y},
-        [p, correction](Node& n) {
-          backward_in_layout(n.grad_in(0), p, [&](Tensor dx) {
-            dispatch_float("var", dx.dtype(), [&](auto z) {
-              using T = decltype(z);
-              var_backward(n.saved[0].data<T>(), n.saved[1].data<T>(), n.grad_out().data<T>(), dx.data<T>(), p.O, p.R,
-                           p.I, correction);
-            });
-          });
-        },
-        {xl, mu});
+  if (should_record({&x})) {
+    struct Saved { Tensor x, mean; };  // x in the (O, R, I) layout
+    record("var", {&x}, {&y}, Saved{xl, mu}, [p, correction](Node& n, const Saved& s) {  // adds dx
+      backward_in_layout(n.add_grad(0).tensor(), p, [&](Tensor dx) {
+        dispatch_float("var", dx.dtype(), [&](auto z) {
+          using T = decltype(z);
+          var_backward(s.x.data<T>(), s.mean.data<T>(), n.grad_out().data<T>(), dx.data<T>(), p.O, p.R, p.I, correction);
+        });
+      });
+    });
+  }
   return y;
 }
 
@@ -162,18 +160,17 @@ Tensor max(const Tensor& x, const std::vector<int>& axes, bool keepdim) {
     using T = decltype(z);
     max_forward(xl.data<T>(), y.data<T>(), p.O, p.R, p.I);
   });
-  if (should_record({&x}))
-    record(
-        "max", {&x}, {&y},
-        [p](Node& n) {
-          backward_in_layout(n.grad_in(0), p, [&](Tensor dx) {
-            dispatch_float("max", dx.dtype(), [&](auto z) {
-              using T = decltype(z);
-              max_backward(n.saved[0].data<T>(), n.saved[1].data<T>(), n.grad_out().data<T>(), dx.data<T>(), p.O, p.R, p.I);
-            });
-          });
-        },
-        {xl, y.detach()});
+  if (should_record({&x})) {
+    struct Saved { Tensor x, y; };  // x in the (O, R, I) layout; y the maxima
+    record("max", {&x}, {&y}, Saved{xl, y.detach()}, [p](Node& n, const Saved& s) {  // adds dx where x == max
+      backward_in_layout(n.add_grad(0).tensor(), p, [&](Tensor dx) {
+        dispatch_float("max", dx.dtype(), [&](auto z) {
+          using T = decltype(z);
+          max_backward(s.x.data<T>(), s.y.data<T>(), n.grad_out().data<T>(), dx.data<T>(), p.O, p.R, p.I);
+        });
+      });
+    });
+  }
   return y;
 }
 

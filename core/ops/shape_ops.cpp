@@ -89,7 +89,7 @@ Tensor reshape(const Tensor& x, const Shape& shape) {
   if (s.numel() != x.numel()) fail("reshape", "cannot reshape ", x.shape(), " (", x.numel(), " elements) into ", shape);
   Tensor y = x.alias(s);
   if (should_record({&x}))
-    record("reshape", {&x}, {&y}, [](Node& n) { accumulate_flat(n.grad_out(), n.grad_dest(0)); });
+    record("reshape", {&x}, {&y}, [](Node& n) { accumulate_flat(n.grad_out(), n.write_grad(0)); });  // writes dx
   return y;
 }
 
@@ -98,7 +98,7 @@ Tensor clone(const Tensor& x) {
   Tensor y = Tensor::empty(x.shape(), x.dtype());
   if (x.nbytes()) std::memcpy(y.raw_data(), x.raw_data(), x.nbytes());
   if (should_record({&x}))
-    record("clone", {&x}, {&y}, [](Node& n) { accumulate_flat(n.grad_out(), n.grad_dest(0)); });
+    record("clone", {&x}, {&y}, [](Node& n) { accumulate_flat(n.grad_out(), n.write_grad(0)); });  // writes dx
   return y;
 }
 
@@ -119,8 +119,8 @@ Tensor permute(const Tensor& x, const std::vector<int>& dims) {
   Tensor y = Tensor::empty(out, x.dtype());
   detail::permute_into(x, perm, y, false);
   if (should_record({&x}))
-    record("permute", {&x}, {&y}, [inv = detail::inverse_perm(perm)](Node& n) {
-      Tensor dx = n.grad_in(0);
+    record("permute", {&x}, {&y}, [inv = detail::inverse_perm(perm)](Node& n) {  // adds dx
+      Tensor dx = n.add_grad(0).tensor();
       detail::permute_into(n.grad_out(), inv, dx, true);
     });
   return y;
@@ -163,8 +163,8 @@ Tensor slice(const Tensor& x, int dim, std::int64_t start, std::int64_t end, std
     slice_forward(static_cast<const T*>(x.raw_data()), static_cast<T*>(y.raw_data()), outer, n, inner, s0, step, count);
   });
   if (should_record({&x}))
-    record("slice", {&x}, {&y}, [=](Node& nd) {
-      Tensor dx = nd.grad_in(0);
+    record("slice", {&x}, {&y}, [=](Node& nd) {  // adds dx (zero outside the slice)
+      Tensor dx = nd.add_grad(0).tensor();
       dispatch_float("slice", dx.dtype(), [&](auto z) {
         using T = decltype(z);
         slice_backward(nd.grad_out().data<T>(), dx.data<T>(), outer, n, inner, s0, step, count);
@@ -210,9 +210,9 @@ Tensor cat(const std::vector<Tensor>& xs, int dim) {
     rec = rec || t.requires_grad();
   }
   if (rec && grad_enabled())
-    record("cat", ins, {&y}, [offsets, outer, inner, d, total = out[d]](Node& n) {
+    record("cat", ins, {&y}, [offsets, outer, inner, d, total = out[d]](Node& n) {  // adds each dx
       for (std::size_t i = 0; i < n.inputs().size(); ++i) {
-        Tensor dx = n.grad_in(i);
+        Tensor dx = n.add_grad(i).tensor();
         if (!dx.defined()) continue;
         const std::int64_t nt = n.input_shape(i)[d];
         dispatch_float("cat", dx.dtype(), [&](auto z) {
@@ -289,8 +289,8 @@ Tensor to(const Tensor& x, DType dtype) {
     });
   });
   if (is_floating(dtype) && should_record({&x}))
-    record("to", {&x}, {&y}, [](Node& nd) {
-      GradDest dx = nd.grad_dest(0);
+    record("to", {&x}, {&y}, [](Node& nd) {  // writes dx, converted back to x's dtype
+      GradDest dx = nd.write_grad(0);
       accumulate_flat(to(nd.grad_out().detach(), dx.buf->dtype()), dx);
     });
   return y;

@@ -148,12 +148,14 @@ TEST_CASE("gradcheck reports a wrong gradient") {
     const Tensor& x = in[0];
     Tensor y = Tensor::empty(x.shape(), float64);
     for (std::int64_t i = 0; i < x.numel(); ++i) y.data<double>()[i] = x.data<double>()[i] * x.data<double>()[i];
-    if (should_record({&x}))
-      record("wrong_square", {&x}, {&y}, [](Node& n) {
-        Tensor dx = n.grad_in(0);
-        const double* xs = n.saved[0].data<double>();
-        for (std::int64_t i = 0; i < dx.numel(); ++i) dx.data<double>()[i] += n.grad_out().data<double>()[i] * 3 * xs[i] * xs[i];
-      }, {x.detach()});
+    if (should_record({&x})) {
+      struct Saved { Tensor x; };
+      record("wrong_square", {&x}, {&y}, Saved{x.detach()}, [](Node& n, const Saved& s) {
+        GradDest dx = n.add_grad(0);
+        const double* xs = s.x.data<double>();
+        for (std::int64_t i = 0; i < dx.buf->numel(); ++i) dx.ptr<double>()[i] += n.grad_out().data<double>()[i] * 3 * xs[i] * xs[i];
+      });
+    }
     return y;
   };
   GradcheckReport r = gradcheck(wrong, {param64({3}, 1)});
@@ -199,12 +201,12 @@ TEST_CASE("a node keeps its arrays in one arena block, and a freed node's arrays
   CHECK(n0.outputs()[0] == h.meta());
   REQUIRE(n0.other_shapes().size() == 1);
   CHECK(n0.input_shape(1) == Shape{2});
-  CHECK(n0.saved.size() == 2);
+  CHECK(n0.saved_count() == 2);
   a.backward();  // frees nodes 0 and 1; exp's and b's stay
   CHECK(n0.freed);
   CHECK(n0.inputs().empty());
   CHECK(n0.outputs().empty());
-  CHECK(n0.saved.empty());
+  CHECK(n0.saved_count() == 0);
   CHECK(x.grad().to_vector<double>() == std::vector<double>{4, 5});
   b.backward();  // walks past the freed nodes
   CHECK(x.grad().at({1}) == Approx(5 + std::exp(2.0)));
@@ -255,10 +257,11 @@ TEST_CASE("clearing the tape releases the live nodes' references") {
 }
 
 TEST_CASE("a recording whose closure fails to copy leaves no live node behind") {
+  struct Saved { Tensor x; };
   struct ThrowsOnCopy {
     ThrowsOnCopy() = default;
     ThrowsOnCopy(const ThrowsOnCopy&) { throw std::runtime_error("closure copy failed"); }
-    void operator()(Node&) const {}
+    void operator()(Node&, const Saved&) const {}
   };
   tape().clear();
   Tensor x = tensor({1, 2}, {2}, float64).requires_grad_();
@@ -266,7 +269,7 @@ TEST_CASE("a recording whose closure fails to copy leaves no live node behind") 
   const std::size_t live = tape().live();
   Tensor y = Tensor::empty({2}, float64);
   const ThrowsOnCopy closure;
-  CHECK_THROWS_WITH(record("custom", {&x}, {&y}, closure, {x}), "closure copy failed");
+  CHECK_THROWS_WITH(record("custom", {&x}, {&y}, Saved{x}, closure), "closure copy failed");
   CHECK(tape().live() == live);  // the half-made node was freed, its saved x and slots released
   sum(kept).backward();
   CHECK(x.grad().to_vector<double>() == std::vector<double>{3, 3});

@@ -134,7 +134,7 @@ namespace detail {
 // lives until its node is freed, and most never hold a gradient outside a backward pass, so keeping
 // the 96-byte Tensor out of the slot keeps it at 128 bytes (216 with it inline), and the memory a
 // long graph walks with it. Moving a GradSlot moves the pointer: a gradient handed from an op's
-// output to its input (Node::grad_dest_over) copies nothing.
+// output to its input (Node::write_grad_over_output) copies nothing.
 class GradSlot {
  public:
   GradSlot() = default;

@@ -1,0 +1,70 @@
+#pragma once
+// The tape's machinery, internal to tapegrad_core: the arena that holds nodes' arrays and
+// closures, and the tape operations that recording, backward and the sweep use. Public users see
+// tapegrad/autograd.h and tapegrad/node.h.
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "tapegrad/autograd.h"
+
+namespace tg::detail {
+
+// The tape's bump allocator: a node's small arrays and its backward closure are carved out of
+// blocks by moving a pointer, and all given back at once when the tape is emptied (the blocks are
+// kept for the next step). A training step records a few hundred nodes; with the general-purpose
+// heap each would cost several malloc/free pairs, more than the op itself at small sizes.
+class Arena {
+ public:
+  Arena() = default;
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  // bytes at the given alignment (a power of two), valid until reset().
+  void* allocate(std::size_t bytes, std::size_t align) {
+    const auto p = reinterpret_cast<std::uintptr_t>(ptr_);
+    const std::uintptr_t a = (p + align - 1) & ~(static_cast<std::uintptr_t>(align) - 1);
+    if (ptr_ && a + bytes <= reinterpret_cast<std::uintptr_t>(end_)) {
+      ptr_ = reinterpret_cast<char*>(a + bytes);
+      return reinterpret_cast<void*>(a);
+    }
+    return allocate_slow(bytes, align);
+  }
+  void reset();  // forgets every allocation, keeps the blocks
+
+ private:
+  void* allocate_slow(std::size_t bytes, std::size_t align);  // moves to the next block
+  std::vector<std::pair<char*, std::size_t>> blocks_;
+  std::size_t block_ = 0;  // index of the block being carved
+  char* ptr_ = nullptr;
+  char* end_ = nullptr;
+};
+
+// The operations on a tape that recording, backward() and the sweep need (core/autograd.cpp).
+struct TapeAccess {
+  static Node& node(Tape& t, std::size_t i) { return t.nodes_[i]; }
+  static std::uint64_t generation(const Tape& t) { return t.generation_; }
+  static Arena& arena(Tape& t) { return *t.arena_; }
+  // A new node at the end of the tape; sweeps first when a trigger is reached.
+  static Node& push(Tape& t);
+  // Counts the bytes a new node saved for its backward (the sweep's byte trigger).
+  static void note_saved(Tape& t, std::size_t bytes) { t.saved_live_ += bytes; }
+  // Releases node i's saved tensors, closure, input references and output slots.
+  static void free_node(Tape& t, std::size_t i);
+  // Removes the last node, which holds nothing yet: a recording whose allocation failed.
+  static void discard_last(Tape& t);
+  // Frees every live node whose outputs no tensor and no later node refers to, from the newest
+  // back (freeing one may make an earlier one unreachable); empties the tape when nothing is left.
+  static void sweep(Tape& t);
+};
+
+// This thread's anomaly switch (set_detect_anomaly).
+extern thread_local constinit bool t_anomaly;
+// Anomaly mode's check of the gradients node i's backward wrote.
+void check_anomaly_backward(const Node& node, std::size_t index);
+// Whether retain_grad() was ever called (in any thread): backward then takes its careful first pass.
+void note_retain_grad();
+bool retain_grad_used();
+
+}  // namespace tg::detail
