@@ -1,0 +1,493 @@
+// The bf16 product accumulated in float32; sgemm_bf16.h says what it computes and how it is laid out.
+#include "kernels/sgemm_bf16.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+
+#include "kernels/isa.h"
+#include "kernels/parallel.h"
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define TG_BF16_X86 1
+#include <immintrin.h>
+#endif
+
+namespace tg::kernels {
+
+namespace {
+
+using i64 = std::int64_t;
+using u32 = std::uint32_t;
+using u16 = std::uint16_t;
+
+constexpr int kMR = 6;           // rows of C per kernel call
+constexpr int kNR = 64;          // columns of C per kernel call: four zmm of 16 floats
+constexpr i64 kKC = 256;         // K per block (even): a panel of B is 128 pairs x 64 x 4 bytes = 32 KB
+constexpr i64 kMC = 192;         // rows of C per block: 192 x 256 bf16 of A = 96 KB, a share of L2
+constexpr i64 kRowsMax = kMC;    // no block of rows is larger (pack_a_trans's row buffer)
+
+// Blocks of about equal size, at most `most` each, rounded up to a multiple of `unit`.
+i64 block(i64 n, i64 most, i64 unit) {
+  const i64 parts = (n + most - 1) / most;
+  return ((n + parts - 1) / parts + unit - 1) / unit * unit;
+}
+
+i64 round_up(i64 n, i64 unit) { return (n + unit - 1) / unit * unit; }
+
+// ---- Packing (shared by both paths, so they multiply the same bits) ----------------------------
+
+inline u32 float_bits(float x) {
+  u32 u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+// The bf16 of x in the low half (lo) or in the high half with a zero low half (hi).
+inline u32 lo_of(float x) { return bf16_round_bits(float_bits(x)) >> 16; }
+inline u32 hi_of(float x) { return bf16_round_bits(float_bits(x)) & 0xFFFF0000u; }
+inline u32 lo_of(bf16 x) { return x.bits; }
+inline u32 hi_of(bf16 x) { return static_cast<u32>(x.bits) << 16; }
+
+// One panel of op(B): k in [k0, k0 + kc), columns [n0, n0 + nc), nc <= 64, as pairs:
+// Bp[p * 64 + j] = b(k0 + 2p, n0 + j) | b(k0 + 2p + 1, n0 + j) << 16 (bf16 bits), zero past kc and nc.
+// b(k, j) = B[k * ld + j], or B[j * ld + k] when tb.
+template <class T>
+void pack_b_panel(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* Bp) {
+  const i64 pairs = (kc + 1) / 2, full = kc / 2;
+  if (!tb) {
+    for (i64 p = 0; p < pairs; ++p) {
+      const T* r0 = B + (k0 + 2 * p) * ld + n0;
+      u32* d = Bp + p * kNR;
+      if (p < full)
+        for (i64 j = 0; j < nc; ++j) d[j] = lo_of(r0[j]) | hi_of(r0[ld + j]);
+      else
+        for (i64 j = 0; j < nc; ++j) d[j] = lo_of(r0[j]);
+      for (i64 j = nc; j < kNR; ++j) d[j] = 0;
+    }
+    return;
+  }
+  for (i64 j = 0; j < nc; ++j) {  // row n0 + j of B is column j of the panel, read in order
+    const T* r = B + (n0 + j) * ld + k0;
+    for (i64 p = 0; p < full; ++p) Bp[p * kNR + j] = lo_of(r[2 * p]) | hi_of(r[2 * p + 1]);
+    if (full < pairs) Bp[full * kNR + j] = lo_of(r[2 * full]);
+  }
+  for (i64 p = 0; p < pairs; ++p)
+    for (i64 j = nc; j < kNR; ++j) Bp[p * kNR + j] = 0;
+}
+
+void pack_b_panel(bool tb, const Bf16Operand& B, i64 k0, i64 kc, i64 n0, i64 nc, u32* Bp) {
+  if (B.f) pack_b_panel(tb, B.f, B.ld, k0, kc, n0, nc, Bp);
+  else pack_b_panel(tb, B.h, B.ld, k0, kc, n0, nc, Bp);
+}
+
+// op(A) = A, rows [r0, r0 + mc), k in [k0, k0 + kc): bf16 rows of kcp = kc rounded up to even
+// elements, Ap[i * kcp + k] = a(r0 + i, k0 + k), then zero rows up to a multiple of 6. A pair of
+// row i is the 32-bit word i * kcp / 2 + p. Float rows go through the array conversion.
+void pack_a_rows(const Bf16Operand& A, i64 r0, i64 mc, i64 k0, i64 kc, bf16* Ap, bool native) {
+  const i64 kcp = round_up(kc, 2), mcp = round_up(mc, kMR);
+  for (i64 i = 0; i < mc; ++i) {
+    bf16* d = Ap + i * kcp;
+    if (A.f) {
+      const float* s = A.f + (r0 + i) * A.ld + k0;
+      if (native) bf16_impl::to_bf16_avx512(s, d, kc);
+      else bf16_impl::to_bf16_portable(s, d, kc);
+    } else {
+      std::memcpy(d, A.h + (r0 + i) * A.ld + k0, static_cast<std::size_t>(kc) * sizeof(bf16));
+    }
+    if (kc < kcp) d[kc] = bf16{0};
+  }
+  if (mcp > mc) std::memset(Ap + mc * kcp, 0, static_cast<std::size_t>((mcp - mc) * kcp) * sizeof(bf16));
+}
+
+// op(A) = A^T, a(i, k) = A[k * ld + i], rows [r0, r0 + mc), k in [k0, k0 + kc): panels of 6 rows,
+// Ap[(q * pairs + p) * 6 + i] = a(r0 + 6q + i, k0 + 2p) | a(r0 + 6q + i, k0 + 2p + 1) << 16, zero
+// past mc and kc. Two rows of A at a time, each read in order.
+template <class T>
+void pack_a_trans(const T* A, i64 ld, i64 r0, i64 mc, i64 k0, i64 kc, u32* Ap) {
+  const i64 pairs = (kc + 1) / 2, full = kc / 2, panels = (mc + kMR - 1) / kMR;
+  u32 w[kRowsMax + kMR];
+  for (i64 p = 0; p < pairs; ++p) {
+    const T* s = A + (k0 + 2 * p) * ld + r0;
+    if (p < full)
+      for (i64 i = 0; i < mc; ++i) w[i] = lo_of(s[i]) | hi_of(s[ld + i]);
+    else
+      for (i64 i = 0; i < mc; ++i) w[i] = lo_of(s[i]);
+    for (i64 i = mc; i < panels * kMR; ++i) w[i] = 0;
+    for (i64 q = 0; q < panels; ++q) std::memcpy(Ap + (q * pairs + p) * kMR, w + q * kMR, kMR * sizeof(u32));
+  }
+}
+
+// ---- The emulated kernel: vdpbf16ps's arithmetic in scalar code ---------------------------------
+
+inline float bf16_lo(u32 w) { return to_float(bf16{static_cast<u16>(w)}); }
+inline float bf16_hi(u32 w) { return to_float(bf16{static_cast<u16>(w >> 16)}); }
+// A bf16 operand as vdpbf16ps reads it: subnormals as zero of their sign.
+inline float daz(float x) { return std::fabs(x) < FLT_MIN ? std::copysign(0.0f, x) : x; }
+
+// acc + a b rounded to nearest even, then a zero of its sign if tiny: if the exact value, rounded
+// to 24 bits at unbounded exponent, is below FLT_MIN = 2^-126 in magnitude (x86's tininess after
+// rounding). a and b are normal bf16 or zero, acc normal or zero.
+//
+// r = fma(a, b, acc) is rounded on the subnormal grid (spacing 2^-149). |r| > FLT_MIN: the exact
+// value is above FLT_MIN too, not tiny. |r| < FLT_MIN: the exact value is below FLT_MIN - 2^-150,
+// which rounds below FLT_MIN, tiny. |r| == FLT_MIN: the exact value lies within 2^-150 of it, and
+// is tiny when it is below FLT_MIN - 2^-151 (the point halfway to FLT_MIN - 2^-150, whose tie
+// goes to the even FLT_MIN); that needs the exact residual (acc - r) + a b: acc - r is exact in
+// double (both multiples of 2^-149, |acc| < 2^-96 here: with a larger acc the exact sum is a
+// multiple of 2^-120 and never this close to FLT_MIN), a b is exact in double (16 bits), and
+// Knuth's two-sum gives the sum's rounding error, so the comparison is exact.
+inline float fma_ftz(float a, float b, float acc) {
+  const float r = std::fma(a, b, acc);
+  const float m = std::fabs(r);
+  if (!(m <= FLT_MIN)) return r;  // normal, infinite or NaN
+  if (m < FLT_MIN) return std::copysign(0.0f, r);
+  if (std::fabs(acc) >= 0x1p-96f) return r;
+  const double d = static_cast<double>(acc) - static_cast<double>(r);
+  const double p = static_cast<double>(a) * static_cast<double>(b);
+  double s = d + p;
+  const double bv = s - d;
+  double e = (d - (s - bv)) + (p - bv);
+  if (r < 0) {
+    s = -s;
+    e = -e;
+  }
+  constexpr double kHalfway = -0x1p-151;
+  const bool tiny = s < kHalfway || (s == kHalfway && e < 0);
+  return tiny ? std::copysign(0.0f, r) : r;
+}
+
+// A tile's sums to C: C = alpha acc (beta = 0) or fma(beta, C, alpha acc), as the native kernel.
+inline void store(float x, float alpha, float beta, float& c) {
+  const float v = alpha * x;
+  c = beta == 0.0f ? v : std::fma(beta, c, v);
+}
+
+// The 6 x 64 tile over `pairs` pairs of k: the pair of row i, pair p is A[i * row + p * step];
+// B's pair (p, j) is Bp[p * 64 + j]. Writes the mv x nv valid part of C.
+void kernel_emulated(i64 pairs, const u32* A, i64 row, i64 step, const u32* Bp, float* C, i64 ldc, float alpha,
+                     float beta, int mv, int nv) {
+  float acc[kMR][kNR] = {};
+  for (i64 p = 0; p < pairs; ++p)
+    for (int i = 0; i < mv; ++i) {
+      const u32 a = A[i * row + p * step];
+      const float a0 = daz(bf16_lo(a)), a1 = daz(bf16_hi(a));
+      const u32* b = Bp + p * kNR;
+      for (int j = 0; j < nv; ++j) {
+        acc[i][j] = fma_ftz(a1, daz(bf16_hi(b[j])), acc[i][j]);
+        acc[i][j] = fma_ftz(a0, daz(bf16_lo(b[j])), acc[i][j]);
+      }
+    }
+  for (int i = 0; i < mv; ++i)
+    for (int j = 0; j < nv; ++j) store(acc[i][j], alpha, beta, C[i * ldc + j]);
+}
+
+// ---- The native kernel: vdpbf16ps --------------------------------------------------------------
+
+#ifdef TG_BF16_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+// As kernel_emulated, with 24 accumulators c[i][j] (row i, columns 16 j .. 16 j + 15) in zmm
+// registers: per pair, 4 loads of B, 6 broadcasts of A's pair, 24 vdpbf16ps. ROWS: A is six bf16
+// rows (row = words per row, step 1); else a packed panel of A^T (row 1, step 6).
+template <bool ROWS>
+void kernel_native(i64 pairs, const u32* A, i64 row, const u32* Bp, float* C, i64 ldc, float alpha, float beta,
+                   int mv, int nv) {
+  constexpr i64 step = ROWS ? 1 : kMR;
+  __m512 c[kMR][4];
+#pragma GCC unroll 6
+  for (int i = 0; i < kMR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) c[i][j] = _mm512_setzero_ps();
+  const u32* a[kMR];
+#pragma GCC unroll 6
+  for (int i = 0; i < kMR; ++i) a[i] = A + (ROWS ? i * row : i);
+#pragma GCC unroll 2
+  for (i64 p = 0; p < pairs; ++p) {
+    __m512bh b[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) b[j] = reinterpret_cast<__m512bh>(_mm512_load_si512(Bp + 16 * j));
+#pragma GCC unroll 6
+    for (int i = 0; i < kMR; ++i) {
+      const __m512bh ai = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(*a[i])));
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) c[i][j] = _mm512_dpbf16_ps(c[i][j], ai, b[j]);
+      a[i] += step;
+    }
+    Bp += kNR;
+  }
+  // A full tile goes straight to C; an edge tile to a buffer, then its valid part to C.
+  alignas(64) float edge[kMR * kNR];
+  const bool full = mv == kMR && nv == kNR;
+  float* dst = full ? C : edge;
+  const i64 ld = full ? ldc : kNR;
+  const bool read_c = full && beta != 0.0f;
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+#pragma GCC unroll 6
+  for (int i = 0; i < kMR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      float* r = dst + i * ld + 16 * j;
+      __m512 x = _mm512_mul_ps(va, c[i][j]);
+      if (read_c) x = _mm512_fmadd_ps(vb, _mm512_loadu_ps(r), x);
+      _mm512_storeu_ps(r, x);
+    }
+  if (!full)
+    for (int i = 0; i < mv; ++i)
+      for (int j = 0; j < nv; ++j) {
+        float& out = C[i * ldc + j];
+        out = beta == 0.0f ? edge[i * kNR + j] : std::fma(beta, out, edge[i * kNR + j]);  // as the full tile
+      }
+}
+
+#pragma GCC pop_options
+#endif
+
+// ---- Blocks ------------------------------------------------------------------------------------
+
+// Rows [r0, r1) of C times column panels [q0, q1) for one block of K, k in [pc, pc + kc), op(B)'s
+// panels of that block at Bk + q * pstride (words). be: this block's beta. Ap: room for
+// round_up(r1 - r0, 6) x kc bf16.
+void block_product(const GemmBf16& g, bool native, i64 r0, i64 r1, i64 pc, i64 kc, const u32* Bk, i64 pstride,
+                   i64 q0, i64 q1, float be, void* Ap) {
+  const i64 mc = r1 - r0, pairs = (kc + 1) / 2;
+  if (g.ta) {
+    if (g.A.f) pack_a_trans(g.A.f, g.A.ld, r0, mc, pc, kc, static_cast<u32*>(Ap));
+    else pack_a_trans(g.A.h, g.A.ld, r0, mc, pc, kc, static_cast<u32*>(Ap));
+  } else {
+    pack_a_rows(g.A, r0, mc, pc, kc, static_cast<bf16*>(Ap), native);
+  }
+  const u32* Aw = static_cast<const u32*>(Ap);
+  const i64 row = g.ta ? 1 : pairs, step = g.ta ? kMR : 1;
+  for (i64 q = q0; q < q1; ++q) {
+    const int nv = static_cast<int>(std::min<i64>(kNR, g.N - q * kNR));
+    const u32* Bj = Bk + q * pstride;
+    for (i64 ir = 0; ir < mc; ir += kMR) {
+      const int mv = static_cast<int>(std::min<i64>(kMR, mc - ir));
+      const u32* At = g.ta ? Aw + ir * pairs : Aw + ir * row;  // both: 6 rows x pairs words apart
+      float* Ct = g.C + (r0 + ir) * g.ldc + q * kNR;
+#ifdef TG_BF16_X86
+      if (native) {
+        if (g.ta) kernel_native<false>(pairs, At, 1, Bj, Ct, g.ldc, g.alpha, be, mv, nv);
+        else kernel_native<true>(pairs, At, row, Bj, Ct, g.ldc, g.alpha, be, mv, nv);
+        continue;
+      }
+#endif
+      kernel_emulated(pairs, At, row, step, Bj, Ct, g.ldc, g.alpha, be, mv, nv);
+    }
+  }
+}
+
+// True when there is nothing to multiply: C is empty, or K = 0 or alpha = 0, where C = beta C is
+// done here (A and B are not read: the BLAS rule).
+bool no_product(const GemmBf16& g) {
+  if (g.M <= 0 || g.N <= 0) return true;
+  if (g.K > 0 && g.alpha != 0.0f) return false;
+  for (i64 m = 0; m < g.M; ++m)
+    for (i64 n = 0; n < g.N; ++n) {
+      float& c = g.C[m * g.ldc + n];
+      c = g.beta == 0.0f ? 0.0f : g.beta * c;
+    }
+  return true;
+}
+
+// Per-thread packing buffers, grown on demand and kept. get() returns null instead of throwing
+// (it runs inside OpenMP regions, which an exception must not leave).
+struct Buffer {
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  std::unique_ptr<void, Free> p;
+  i64 n = 0;
+  void* get(i64 bytes) noexcept {
+    if (bytes > n) {
+      p.reset(std::aligned_alloc(64, static_cast<std::size_t>((bytes + 63) / 64 * 64)));
+      n = p ? bytes : 0;
+    }
+    return p.get();
+  }
+};
+thread_local Buffer tl_a, tl_b;
+
+// How one product is cut: K blocks of kcb (even, fixed by K alone: the order of every sum), op(B)
+// packed whole (panel q of K block b at Bp + (b * panels + q) * pstride words), C cut into items,
+// a block of rows by a run of column panels. An item runs the K blocks in order over its own part
+// of C, so no two threads write the same element, and each element's sum is the same whoever
+// computes it.
+struct Plan {
+  const GemmBf16* g = nullptr;
+  bool native = false;
+  i64 kcb = 0, nkb = 0, panels = 0, pstride = 0, rows = 0, row_blocks = 0, run = 0, items = 0;
+  u32* Bp = nullptr;
+
+  Plan() = default;
+  Plan(const GemmBf16& p, bool nat, int team) : g(&p), native(nat) {
+    kcb = block(p.K, kKC, 2);
+    nkb = (p.K + kcb - 1) / kcb;
+    panels = (p.N + kNR - 1) / kNR;
+    pstride = kNR * (kcb / 2);
+    // About four items a thread: rows in multiples of 6 (at least 24, at most kMC), then columns
+    // cut in runs of panels when there are too few row blocks.
+    const i64 want = 4 * team;
+    rows = team == 1 ? block(p.M, kMC, kMR)
+                     : std::clamp<i64>(round_up((p.M + want - 1) / want, kMR), 4 * kMR, kMC);
+    row_blocks = (p.M + rows - 1) / rows;
+    const i64 col_blocks = std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
+    run = team == 1 ? panels : (panels + col_blocks - 1) / col_blocks;
+    items = row_blocks * ((panels + run - 1) / run);
+  }
+  i64 units() const { return nkb * panels; }  // a unit of packing: one panel of one K block
+  i64 b_bytes() const { return units() * pstride * 4; }
+  i64 a_bytes() const { return round_up(rows, kMR) * kcb * 2; }
+  void pack(i64 u) const {
+    const i64 b = u / panels, q = u % panels, pc = b * kcb, n0 = q * kNR;
+    pack_b_panel(g->tb, g->B, pc, std::min(kcb, g->K - pc), n0, std::min<i64>(kNR, g->N - n0), Bp + u * pstride);
+  }
+  void item(i64 i, void* Ap) const {
+    const i64 rb = i % row_blocks, cb = i / row_blocks;
+    const i64 r0 = rb * rows, r1 = std::min(g->M, r0 + rows), q0 = cb * run, q1 = std::min(panels, q0 + run);
+    for (i64 b = 0; b < nkb; ++b) {
+      const i64 pc = b * kcb;
+      block_product(*g, native, r0, r1, pc, std::min(kcb, g->K - pc), Bp + b * panels * pstride, pstride, q0, q1,
+                    b == 0 ? g->beta : 1.0f, Ap);
+    }
+  }
+};
+
+inline void pause() {
+#ifdef TG_BF16_X86
+  _mm_pause();
+#endif
+}
+
+bool native_path() {
+#ifdef TG_BF16_X86
+  return isa() >= Isa::avx512_bf16;
+#else
+  return false;
+#endif
+}
+
+// Large enough to share: as kernels::gemm decides for float32 products.
+bool split_worth(const GemmBf16& g) { return std::max(g.M, g.N) >= 32 && worth_parallel(g.M * g.N * g.K / 16); }
+
+// The product on the calling thread: B packed one K block at a time (the same panels and sums as
+// the team's plan), then every row block.
+void single(const GemmBf16& g, bool native) {
+  if (no_product(g)) return;
+  Plan plan(g, native, 1);
+  void* Ap = tl_a.get(plan.a_bytes());
+  plan.Bp = static_cast<u32*>(tl_b.get(plan.panels * plan.pstride * 4));
+  if (!Ap || !plan.Bp) throw std::bad_alloc();
+  for (i64 b = 0; b < plan.nkb; ++b) {
+    const i64 pc = b * plan.kcb, kc = std::min(plan.kcb, g.K - pc);
+    for (i64 q = 0; q < plan.panels; ++q)
+      pack_b_panel(g.tb, g.B, pc, kc, q * kNR, std::min<i64>(kNR, g.N - q * kNR), plan.Bp + q * plan.pstride);
+    for (i64 r0 = 0; r0 < g.M; r0 += plan.rows)
+      block_product(g, native, r0, std::min(g.M, r0 + plan.rows), pc, kc, plan.Bp, plan.pstride, 0, plan.panels,
+                    b == 0 ? g.beta : 1.0f, Ap);
+  }
+}
+
+// The team's version: op(B) packed once by the team, then items taken from a shared counter (a
+// thread slowed by another program on the machine takes fewer).
+void team_product(const GemmBf16& g, bool native) {
+  if (no_product(g)) return;
+  const int team = omp_get_max_threads();
+  Plan plan(g, native, team);
+  plan.Bp = static_cast<u32*>(tl_b.get(plan.b_bytes()));
+  if (!plan.Bp || !tl_a.get(plan.a_bytes())) throw std::bad_alloc();
+  std::atomic<i64> next{0};
+#pragma omp parallel num_threads(team)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (i64 u = t; u < plan.units(); u += nt) plan.pack(u);
+#pragma omp barrier
+    void* Ap = tl_a.get(plan.a_bytes());  // a thread without one takes no items
+    for (i64 i; Ap && (i = next.fetch_add(1, std::memory_order_relaxed)) < plan.items;) plan.item(i, Ap);
+  }
+}
+
+}  // namespace
+
+void gemm_bf16(const GemmBf16& g) {
+  const bool native = native_path();
+  if (split_worth(g) && omp_get_max_threads() > 1 && !omp_in_parallel()) team_product(g, native);
+  else single(g, native);
+}
+
+// With two threads or more: the team cut in two, each part packing its own product's B and taking
+// its items, then, its own product done, the other's (once that one's B is packed).
+void gemm_bf16_pair(const GemmBf16& p, const GemmBf16& q) {
+  const int team = omp_get_max_threads();
+  if (team < 2 || omp_in_parallel() || !split_worth(p) || !split_worth(q)) {
+    gemm_bf16(p);
+    gemm_bf16(q);
+    return;
+  }
+  const bool lp = !no_product(p), lq = !no_product(q);  // no_product has done C = beta C where true
+  if (!lp || !lq) {
+    if (lp) team_product(p, native_path());
+    if (lq) team_product(q, native_path());
+    return;
+  }
+  const bool native = native_path();
+  Plan plan[2] = {Plan(p, native, team), Plan(q, native, team)};
+  const i64 a_bytes = std::max(plan[0].a_bytes(), plan[1].a_bytes());
+  auto* Bp = static_cast<u32*>(tl_b.get(plan[0].b_bytes() + plan[1].b_bytes()));
+  if (!Bp || !tl_a.get(a_bytes)) throw std::bad_alloc();
+  plan[0].Bp = Bp;
+  plan[1].Bp = Bp + plan[0].b_bytes() / 4;
+  const double wp = static_cast<double>(p.M * p.N * p.K), wq = static_cast<double>(q.M * q.N * q.K);
+  const int np = std::clamp(static_cast<int>(std::lround(team * wp / (wp + wq))), 1, team - 1);
+  std::atomic<i64> next[2] = {0, 0}, packed[2] = {0, 0};
+#pragma omp parallel num_threads(team)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    // Thread t's own product and its rank in that product's part of the team; a team of one (the
+    // runtime gave fewer threads than asked) packs both.
+    const int split = std::min(np, nt - 1);
+    const int own = nt < 2 || t < split ? 0 : 1;
+    for (int j = 0; j < 2; ++j) {
+      if (nt >= 2 && j != own) continue;
+      const int rank = nt < 2 ? 0 : (j == 0 ? t : t - split), size = nt < 2 ? 1 : (j == 0 ? split : nt - split);
+      for (i64 u = rank; u < plan[j].units(); u += size) {
+        plan[j].pack(u);
+        packed[j].fetch_add(1, std::memory_order_release);
+      }
+    }
+    void* Ap = tl_a.get(a_bytes);  // a thread without one takes no items
+    for (int k = 0; Ap && k < 2; ++k) {
+      const int j = k == 0 ? own : 1 - own;
+      if (next[j].load(std::memory_order_relaxed) >= plan[j].items) continue;
+      while (packed[j].load(std::memory_order_acquire) < plan[j].units()) pause();
+      for (i64 i; (i = next[j].fetch_add(1, std::memory_order_relaxed)) < plan[j].items;) plan[j].item(i, Ap);
+    }
+  }
+}
+
+void gemm_bf16_naive(const GemmBf16& g) {
+  auto at = [](const Bf16Operand& X, i64 idx) {
+    const float v = X.f ? to_float(to_bf16(X.f[idx])) : to_float(X.h[idx]);
+    return std::fabs(v) < FLT_MIN ? 0.0 : static_cast<double>(v);
+  };
+  for (i64 m = 0; m < g.M; ++m)
+    for (i64 n = 0; n < g.N; ++n) {
+      double acc = 0;
+      for (i64 k = 0; k < g.K; ++k)
+        acc += at(g.A, g.ta ? k * g.A.ld + m : m * g.A.ld + k) * at(g.B, g.tb ? n * g.B.ld + k : k * g.B.ld + n);
+      float& c = g.C[m * g.ldc + n];
+      c = static_cast<float>(g.alpha * acc + (g.beta == 0.0f ? 0.0 : static_cast<double>(g.beta) * c));
+    }
+}
+
+void bf16_impl::gemm_bf16_single(const GemmBf16& g, bool native) { single(g, native && native_path()); }
+
+}  // namespace tg::kernels
