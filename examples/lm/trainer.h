@@ -87,7 +87,7 @@ class Trainer {
   Trainer& operator=(const Trainer&) = delete;
 
   bool done() const { return step_ >= cfg_.steps; }
-  std::int64_t step() const { return step_; }  // steps completed, counted from the run's start
+  std::int64_t step() const { return step_; }  // steps done, those before a resume included
 
   // One training step: the scheduled learning rate, a random batch, forward, backward, gradient
   // clipping, then AdamW. A loss or gradient that is not finite stops the run before the update
@@ -104,7 +104,8 @@ class Trainer {
   // rows it vouches for. Nothing without an output directory or with checkpoints off.
   void checkpoint();
 
-  // The live progress line (step, loss, lr, tokens/s, ETA), redrawn every 10 steps on a terminal.
+  // The live progress line (step, loss, lr, tokens/s, ETA), on a terminal only: redrawn every 10
+  // steps and at every evaluation.
   void report_progress();
   // Records an evaluation: the best val loss, a metrics.csv row, and a log line when stderr is
   // not a terminal.
@@ -130,6 +131,7 @@ class Trainer {
   const Corpus& corpus_;
   bool resume_;
   std::string norm_;
+  // Built in the constructor's body: after the checkpoint is checked and the seed is set.
   std::unique_ptr<tg::nn::GPT> model_;
   std::unique_ptr<tg::optim::AdamW> opt_;
   tg::optim::WarmupCosineLR schedule_;
