@@ -1,17 +1,27 @@
 #pragma once
 // Fused multi-head causal self-attention over a packed qkv activation, without copies.
 //
-// qkv (B, T, 3C) holds q, k, v side by side; head h of q is the column block [h hs, (h+1) hs) of
-// the first C columns, k and v the same blocks of the next two. The products read those blocks in
-// place through the leading dimension 3C and write y (B, T, C) through leading dimension C, so
-// the split, permute and merge of the composite version cost nothing. Per (batch, head):
-//   S = q k^T * scale (T, T);  P = causal softmax(S) (saved);  y = P v.
+// Shapes: B batch, T time (Tn in the code, where T is the element type), C channels, H heads,
+// hs = C / H head size.
+//   qkv  (B, T, 3C)    q, k, v side by side: head h of q is columns [h hs, (h+1) hs) of the first
+//                      C, k and v the same blocks of the next two
+//   y    (B, T, C)     the heads' outputs, head h in columns [h hs, (h+1) hs)
+//   P    (B, H, T, T)  the causal softmax probabilities, saved for the backward; 0 above the
+//                      diagonal
+//   dy   (B, T, C)     gradient of y
+//   dqkv (B, T, 3C)    gradient of qkv, laid out as qkv
+//   scale              the logits' factor, 1 / sqrt(hs) in a transformer
+// The products read the head blocks in place through the leading dimension 3C and write y
+// through leading dimension C, so the split, permute and merge of the composite version cost
+// nothing. Per (batch, head):
+//   S = q k^T * scale (T, T);  P = causal softmax(S);  y = P v.
 // Backward, with dY the head's block of dy:
 //   dP = dY v^T;  dv += P^T dY;  dS = scale * P * (dP - rowsum(dP * P));  dq += dS k;  dk += dS^T q.
 // (batch, head) pairs write disjoint blocks, so they run in parallel; each gemm then runs on one
 // thread, which suits these small products. P and dS are zero above the diagonal and the softmax
 // reads only S's and dP's lower triangle, so every product skips the tiles a triangle makes zero
 // or unneeded (gemm_tri, kernels/gemm.h): about 40% of the multiply-adds at T = 64.
+// The causal softmax pair itself lives in kernels/norms.h.
 #include <cstdint>
 #include <vector>
 
@@ -21,6 +31,7 @@
 
 namespace tg::kernels {
 
+// qkv (B, T, 3C) -> y (B, T, C), P (B, H, T, T)
 template <class T>
 void attention_forward(const T* qkv, T* y, T* P, std::int64_t B, std::int64_t Tn, std::int64_t C, std::int64_t H,
                        double scale) {
@@ -42,6 +53,7 @@ void attention_forward(const T* qkv, T* y, T* P, std::int64_t B, std::int64_t Tn
   });
 }
 
+// qkv (B, T, 3C), P (B, H, T, T), dy (B, T, C) -> dqkv (B, T, 3C); += when acc, = otherwise
 template <class T>
 void attention_backward(const T* qkv, const T* P, const T* dy, T* dqkv, std::int64_t B, std::int64_t Tn,
                         std::int64_t C, std::int64_t H, double scale, bool acc) {

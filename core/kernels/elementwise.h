@@ -1,6 +1,16 @@
 #pragma once
 // Elementwise kernels. Each op is a functor holding its forward f and its derivative df side by
-// side; the kernels below apply them. Backward kernels accumulate: dx += dy * df.
+// side; the kernels below apply them, the backward ones by the chain rule: dx = dy * df(x, y),
+// da = dy * da(a, b), db = dy * db(a, b).
+//
+// Shapes: n elements of any shape, read flat (tensors are contiguous); M rows of L elements for a
+// row broadcast; the output's shape held in a BroadcastPlan for general broadcasting.
+//   x, y        (n)  unary input and output
+//   d           (n)  f'(x), which a recorded GELU saves in place of x
+//   a, b        binary operands: (n) each; or one (M, L), the other (L); or as the plan says
+//   dy          gradient of y, y's shape
+//   dx, da, db  gradients of x, a, b, each its input's shape: written (=) or added (+=) as the
+//               kernel's acc flag says; a broadcast operand's gradient is always added
 #include <cmath>
 #include <cstdint>
 #include <numbers>
@@ -138,6 +148,7 @@ struct RdivScalarOp {  // s / x; d/dx = -s / x^2 = -y / x
   template <class T> T df(T x, T y) const { return -y / x; }
 };
 
+// x (n) -> y (n)
 template <class T, class Op>
 void unary_forward(const T* x, T* y, std::int64_t n, Op op) {
   parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
@@ -145,7 +156,7 @@ void unary_forward(const T* x, T* y, std::int64_t n, Op op) {
   });
 }
 
-// y = f(x) and d = f'(x) in one pass, for an op that is recorded (Op::kFdf).
+// x (n) -> y (n), d (n): y = f(x) and d = f'(x) in one pass, for an op that is recorded (Op::kFdf).
 template <class T, class Op>
 void unary_forward_deriv(const T* x, T* y, T* d, std::int64_t n, Op op) {
   parallel_for(n, 2 * n, [&](std::int64_t lo, std::int64_t hi) {
@@ -153,7 +164,8 @@ void unary_forward_deriv(const T* x, T* y, T* d, std::int64_t n, Op op) {
   });
 }
 
-// dx (+)= dy * df(x, y) (+= when acc, = otherwise); x or y may be null when Op does not read it.
+// x (n), y (n), dy (n) -> dx (n): dx (+)= dy * df(x, y) (+= when acc, = otherwise); x or y may be
+// null when Op does not read it.
 template <class T, class Op>
 void unary_backward(const T* x, const T* y, const T* dy, T* dx, std::int64_t n, Op op, bool acc) {
   with_acc(acc, [&](auto A) {
@@ -201,14 +213,15 @@ inline T load(const T* p, std::int64_t i) {
   else return T{};
 }
 
-// Fast path: a, b and y all have the same shape.
+// Fast path, no broadcast: a (n), b (n) -> y (n).
 template <class T, class Op>
 void binary_forward_same(const T* a, const T* b, T* y, std::int64_t n) {
   parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t i = lo; i < hi; ++i) y[i] = Op::f(a[i], b[i]);
   });
 }
-// da (+)= dy * da(a, b), db (+)= dy * db(a, b); acc_a / acc_b pick += over =.
+// a (n), b (n), dy (n) -> da (n), db (n): da (+)= dy * da(a, b), db (+)= dy * db(a, b); acc_a /
+// acc_b pick += over =; a null da or db is skipped.
 template <class T, class Op>
 void binary_backward_same(const T* a, const T* b, const T* dy, T* da, T* db, std::int64_t n, bool acc_a, bool acc_b) {
   if (da)
@@ -228,6 +241,7 @@ void binary_backward_same(const T* a, const T* b, const T* dy, T* da, T* db, std
 // Row broadcast, the common case of a bias or a position table: the output viewed as (M, L), one
 // operand full (M, L), the other a single row of L elements repeated over the M rows (its shape
 // is the output's trailing dims, with leading 1s). row_is_b says which operand is the row.
+// a, b: one (M, L), the other (L) -> y (M, L)
 template <class T, class Op>
 void binary_forward_rows(const T* a, const T* b, T* y, std::int64_t M, std::int64_t L, bool row_is_b) {
   parallel_for(M, M * L, [&](std::int64_t lo, std::int64_t hi) {
@@ -243,6 +257,8 @@ void binary_forward_rows(const T* a, const T* b, T* y, std::int64_t M, std::int6
     }
   });
 }
+// dy (M, L) -> d_full (M, L), d_row (L, +=): the full operand's and the row's gradients, each
+// skipped when null.
 // The full operand's gradient is written element by element ((+)= as acc_full); the row's is a
 // sum over the M rows, each thread summing its rows into its own buffer (partials added in thread
 // order: the same bits for the same thread count), then added into d_row.
@@ -314,10 +330,12 @@ void for_each_broadcast(const BroadcastPlan& p, F&& f) {
   }
 }
 
+// a, b (their shapes in p.sa, p.sb strides) -> y (p.shape)
 template <class T, class Op>
 void binary_forward_broadcast(const BroadcastPlan& p, const T* a, const T* b, T* y) {
   for_each_broadcast(p, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) { y[i] = Op::f(a[ia], b[ib]); });
 }
+// dy (p.shape) -> da, db (+=, a's and b's shapes); a null one is skipped
 template <class T, class Op>
 void binary_backward_broadcast(const BroadcastPlan& p, const T* a, const T* b, const T* dy, T* da, T* db) {
   for_each_broadcast(p, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {

@@ -1,6 +1,8 @@
 #pragma once
-// Branch-free float32 exp and erf, so that the loops calling them vectorise (libm's expf/erff are
-// scalar calls). Used on float32 data only; float64 keeps libm's functions.
+// Scalar math functions, no arrays: fast_exp(x) and fast_erf(x) for one float32 value, branch-free
+// so that the loops calling them vectorise (libm's expf/erff are scalar calls), plus the clampf
+// they share. The double overloads are libm's exp and erf, so templated kernels call one name and
+// float64 keeps libm's precision.
 //
 // fast_exp: Cody-Waite range reduction x = n ln2 + r with ln2 split in two (Cephes' expf, Moshier
 // 1992), a degree-6 polynomial for e^r on |r| <= ln2/2, and 2^n built in the exponent bits.
@@ -18,7 +20,7 @@ namespace tg::kernels {
 // Clamp with plain comparisons, one bound at a time: each is then a single vmaxps / vminps (whose
 // rule, "the second operand when unordered", is exactly these expressions', so a NaN passes
 // through). std::fmin/fmax are libm calls unless -ffast-math, and the nested form x < lo ? lo :
-// x > hi ? hi : x compiles to compares and blends, a quarter more instructions in fast_exp.
+// x > hi ? hi : x compiles to compares and blends.
 inline float clampf(float x, float lo, float hi) {
   const float a = x < lo ? lo : x;
   return a > hi ? hi : a;

@@ -1,5 +1,16 @@
 #pragma once
-// Data movement: permuted copies, strided slices, embedding gather / scatter-add.
+// Data movement: permuted copies, strided slices, embedding gather / scatter-add. Each backward
+// is the forward's adjoint: it sends dy back to the positions the forward read, adding.
+//
+// Shapes: nd dims (at most 8) for a permute; a slice takes count of the n positions along one dim
+// of an (outer, n, inner) view; an embedding gathers rows (= B T for a token batch) of C channels
+// from a vocabulary of V.
+//   x, y    permute: x any shape, y (yshape) its permuted copy
+//           slice:   x (outer, n, inner), y (outer, count, inner)
+//   w       (V, C)     embedding table
+//   ids     (rows)     int32 token ids in [0, V)
+//   y       (rows, C)  embedding: the gathered rows
+//   dy, dx, dw         gradients of y, x, w, in their shapes; the backwards add (+=)
 #include <cstdint>
 #include <cstring>
 
@@ -7,8 +18,9 @@
 
 namespace tg::kernels {
 
-// y = x permuted: y's dimension d is x's dimension perm[d]. `ystride_in_x[d]` is the stride in x
-// of y's dimension d. With Acc, y += instead of =, used to send gradients back through the inverse.
+// x (any, nd dims) -> y (yshape): y = x permuted, y's dimension d being x's dimension perm[d];
+// `ystride_in_x[d]` is the stride in x of y's dimension d. Its own backward: with Acc, y += instead
+// of =, and called with the inverse permutation it sends dy back into dx.
 template <class T, bool Acc = false>
 void permute_copy(const T* x, T* y, int nd, const std::int64_t* yshape, const std::int64_t* ystride_in_x) {
   std::int64_t n = 1;
@@ -33,8 +45,7 @@ void permute_copy(const T* x, T* y, int nd, const std::int64_t* yshape, const st
   }
 }
 
-// Strided slice along one dim of an (outer, n, inner) view: y[o, j, i] = x[o, start + j*step, i].
-// With Acc and Back, it runs the other way: dx[o, start + j*step, i] += dy[o, j, i].
+// x (outer, n, inner) -> y (outer, count, inner): y[o, j, i] = x[o, start + j*step, i].
 template <class T>
 void slice_forward(const T* x, T* y, std::int64_t outer, std::int64_t n, std::int64_t inner, std::int64_t start,
                    std::int64_t step, std::int64_t count) {
@@ -42,6 +53,7 @@ void slice_forward(const T* x, T* y, std::int64_t outer, std::int64_t n, std::in
     for (std::int64_t j = 0; j < count; ++j)
       std::memcpy(y + (o * count + j) * inner, x + (o * n + start + j * step) * inner, sizeof(T) * static_cast<std::size_t>(inner));
 }
+// dy (outer, count, inner) -> dx (outer, n, inner, +=): dx[o, start + j*step, i] += dy[o, j, i].
 template <class T>
 void slice_backward(const T* dy, T* dx, std::int64_t outer, std::int64_t n, std::int64_t inner, std::int64_t start,
                     std::int64_t step, std::int64_t count) {
@@ -53,7 +65,8 @@ void slice_backward(const T* dy, T* dx, std::int64_t outer, std::int64_t n, std:
     }
 }
 
-// y[r, :] = w[ids[r], :]   (ids already validated to lie in [0, V))
+// w (V, C), ids (rows) -> y (rows, C): y[r, :] = w[ids[r], :]   (ids already validated to lie in
+// [0, V))
 template <class T>
 void embedding_forward(const T* w, const std::int32_t* ids, T* y, std::int64_t rows, std::int64_t C) {
   parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
@@ -61,7 +74,8 @@ void embedding_forward(const T* w, const std::int32_t* ids, T* y, std::int64_t r
       std::memcpy(y + r * C, w + static_cast<std::int64_t>(ids[r]) * C, sizeof(T) * static_cast<std::size_t>(C));
   });
 }
-// dw[ids[r], :] += dy[r, :]. Serial over rows: two rows may share an id.
+// dy (rows, C), ids (rows) -> dw (V, C, +=): dw[ids[r], :] += dy[r, :]. Serial over rows: two rows
+// may share an id.
 template <class T>
 void embedding_backward(const T* dy, const std::int32_t* ids, T* dw, std::int64_t rows, std::int64_t C) {
   for (std::int64_t r = 0; r < rows; ++r) {

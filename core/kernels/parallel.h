@@ -1,12 +1,16 @@
 #pragma once
-// Parallel loops over OpenMP that cost nothing when the work is small.
+// Parallel loops over OpenMP that cost nothing when the work is small, and the helpers every
+// kernel shares: parallel_for(n, work, body(lo, hi)) and parallel_region(work, body(t, nt)),
+// chunk_begin (a thread's share of a range), fill_zero(x, n) (x (n) = 0), with_bool / with_acc
+// and put (a run-time flag as a compile-time one, for stores that either write or add a
+// gradient), and TG_PRAGMA. n is the iterations split, `work` the elements the loop touches.
 //
 // OpenMP only pays off above a few tens of thousands of elements: below that, waking the team
 // costs more than the loop. And the work test must sit outside the pragma: libgomp enters a
 // `#pragma omp parallel if (false)` region through GOMP_parallel all the same (a team of one is
-// made and torn down), about 0.7 us per call, which at four elements per op is most of the cost
-// of a recorded op. So every parallel loop goes through parallel_for / parallel_region, which
-// test the threshold first and call the body directly when it is not met.
+// made and torn down), a fixed cost per call that dominates an op on a few elements. So every
+// parallel loop goes through parallel_for / parallel_region, which test the threshold first and
+// call the body directly when it is not met.
 //
 // The split is static (thread t of nt gets [n t / nt, n (t + 1) / nt)), so a kernel that keeps
 // per-thread partial sums gives the same bits on every run with the same thread count.

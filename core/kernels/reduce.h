@@ -5,7 +5,15 @@
 // Accumulation is in double for both dtypes; variance is two-pass (mean, then squared
 // deviations), which does not cancel catastrophically the way E[x^2] - E[x]^2 does.
 // Also the row helpers the other kernels share: sum16 (a vectorisable double sum), row_max,
-// exp_shifted (the softmax's exp and sum) and rows_with_partials (per-thread column sums).
+// exp_shifted (the softmax's exp and sum), each over one row x (n), and rows_with_partials
+// (per-thread column sums of a (rows, width) pass).
+//
+// Shapes: O outer, R reduced, I inner, each a product of contiguous dims (O R I = x's size).
+//   x      (O, R, I)  input
+//   y      (O, I)     the reduction (sum / mean, variance, max)
+//   mean   (O, I)     var's mean, saved for its backward
+//   dy     (O, I)     gradient of y
+//   dx     (O, R, I)  gradient of x, added (+=)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,7 +44,7 @@ inline double sum16(std::int64_t n, F&& f) {
   return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7])) + tail;
 }
 
-// max_{j < n} x[j] over 8 interleaved lanes: a single running maximum is a loop-carried
+// x (n) -> max_{j < n} x[j], over 8 interleaved lanes: a single running maximum is a loop-carried
 // dependency that GCC keeps scalar without -ffast-math. NaN entries are skipped (comparisons with
 // NaN are false), as a plain running max skips them; -inf for n = 0.
 template <class T>
@@ -52,8 +60,9 @@ inline T row_max(const T* x, std::int64_t n) {
   return m;
 }
 
-// y[j] = exp(x[j] - m) for j < n (y may be x), returning sum_j y[j] in double. Two loops, so that
-// the exp loop vectorises: with the running double sum in the same loop, fast_exp stays scalar.
+// x (n) -> y (n): y[j] = exp(x[j] - m) (y may be x), returning sum_j y[j] in double. Two loops,
+// so that the exp loop vectorises: with the running double sum in the same loop, fast_exp stays
+// scalar.
 template <class T>
 inline double exp_shifted(const T* x, T m, T* y, std::int64_t n) {
   for (std::int64_t j = 0; j < n; ++j) y[j] = fast_exp(x[j] - m);
@@ -61,7 +70,8 @@ inline double exp_shifted(const T* x, T m, T* y, std::int64_t n) {
 }
 
 // Calls body(r, acc) for r in [0, rows), in parallel when work is large; acc is the calling
-// thread's zero-initialised double buffer of `width`. Returns the element-wise sum of the buffers.
+// thread's zero-initialised double buffer (width). Returns the element-wise sum of the buffers
+// (width).
 template <class F>
 std::vector<double> rows_with_partials(std::int64_t rows, std::int64_t width, std::int64_t work, F&& body) {
   const bool par = rows > 1 && worth_parallel(work);
@@ -90,7 +100,7 @@ void for_reduce_blocks(std::int64_t O, std::int64_t R, std::int64_t I, F&& body)
   });
 }
 
-// y[o, i] = scale * sum_r x[o, r, i]   (scale = 1 for sum, 1/R for mean)
+// x (O, R, I) -> y (O, I): y[o, i] = scale * sum_r x[o, r, i]   (scale = 1 for sum, 1/R for mean)
 template <class T>
 void sum_forward(const T* x, T* y, std::int64_t O, std::int64_t R, std::int64_t I, double scale) {
   if (O * ((I + kReduceBlock - 1) / kReduceBlock) < omp_get_max_threads() && R > 1 && worth_parallel(O * R * I)) {
@@ -115,7 +125,7 @@ void sum_forward(const T* x, T* y, std::int64_t O, std::int64_t R, std::int64_t 
     for (std::int64_t i = i0; i < i1; ++i) y[o * I + i] = static_cast<T>(acc[i - i0] * scale);
   });
 }
-// dx[o, r, i] += scale * dy[o, i]
+// dy (O, I) -> dx (O, R, I, +=): dx[o, r, i] += scale * dy[o, i]
 template <class T>
 void sum_backward(const T* dy, T* dx, std::int64_t O, std::int64_t R, std::int64_t I, double scale) {
   for_reduce_blocks(O, R, I, [&](std::int64_t o, std::int64_t i0, std::int64_t i1) {
@@ -126,7 +136,8 @@ void sum_backward(const T* dy, T* dx, std::int64_t O, std::int64_t R, std::int64
   });
 }
 
-// y = sum_r (x - mean)^2 / (R - correction); mean is written out for the backward.
+// x (O, R, I) -> y (O, I), mean_out (O, I): y = sum_r (x - mean)^2 / (R - correction); the mean
+// is written out for the backward.
 template <class T>
 void var_forward(const T* x, T* y, T* mean_out, std::int64_t O, std::int64_t R, std::int64_t I, int correction) {
   const double denom = static_cast<double>(R - correction);
@@ -150,6 +161,7 @@ void var_forward(const T* x, T* y, T* mean_out, std::int64_t O, std::int64_t R, 
     }
   });
 }
+// x (O, R, I), mean (O, I), dy (O, I) -> dx (O, R, I, +=):
 // d var / d x_r = 2 (x_r - mean) / (R - correction)   (the mean's own dependence on x_r cancels,
 // because sum_r (x_r - mean) = 0)
 template <class T>
@@ -166,7 +178,7 @@ void var_backward(const T* x, const T* mean, const T* dy, T* dx, std::int64_t O,
   });
 }
 
-// y = max_r x. NaN propagates (as PyTorch's amax).
+// x (O, R, I) -> y (O, I): y = max_r x. NaN propagates (as PyTorch's amax).
 template <class T>
 void max_forward(const T* x, T* y, std::int64_t O, std::int64_t R, std::int64_t I) {
   for_reduce_blocks(O, R, I, [&](std::int64_t o, std::int64_t i0, std::int64_t i1) {
@@ -180,7 +192,8 @@ void max_forward(const T* x, T* y, std::int64_t O, std::int64_t R, std::int64_t 
     }
   });
 }
-// The gradient goes to the elements equal to the max, shared evenly between ties (torch.amax).
+// x (O, R, I), y (O, I), dy (O, I) -> dx (O, R, I, +=): the gradient goes to the elements equal to
+// the max, shared evenly between ties (torch.amax).
 template <class T>
 void max_backward(const T* x, const T* y, const T* dy, T* dx, std::int64_t O, std::int64_t R, std::int64_t I) {
   for_reduce_blocks(O, R, I, [&](std::int64_t o, std::int64_t i0, std::int64_t i1) {

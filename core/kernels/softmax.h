@@ -1,6 +1,15 @@
 #pragma once
 // Row-wise softmax and log-softmax over the last axis of a (rows, C) view, and the fused
-// cross-entropy. All subtract the row maximum first, so exp never overflows.
+// cross-entropy. All subtract the row maximum first, so exp never overflows. (The causal softmax
+// of attention is in kernels/norms.h.)
+//
+// Shapes: rows = product of the leading dims (B T for logits), C the softmax axis (V for logits).
+//   x    (rows, C)  input (the logits, for cross-entropy)
+//   y    (rows, C)  softmax or log-softmax of x, saved for the backward
+//   t    (rows)     int32 target class per row, or ignore_index
+//   lse  (rows)     logsumexp of each row of x, saved by cross-entropy for its backward
+//   dy   (rows, C)  gradient of y
+//   dx   (rows, C)  gradient of x; += when acc, = otherwise
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -11,7 +20,8 @@
 
 namespace tg::kernels {
 
-// y = exp(x - max) / sum exp(x - max). A row that is entirely -inf (fully masked) gives NaN, as in PyTorch.
+// x (rows, C) -> y (rows, C): y = exp(x - max) / sum exp(x - max). A row that is entirely -inf
+// (fully masked) gives NaN, as in PyTorch.
 template <class T>
 void softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t C) {
   parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
@@ -23,7 +33,7 @@ void softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t C) {
     }
   });
 }
-// dx = y * (dy - sum_c dy_c y_c)
+// y (rows, C), dy (rows, C) -> dx (rows, C): dx = y * (dy - sum_c dy_c y_c)
 template <class T>
 void softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::int64_t C, bool acc) {
   with_acc(acc, [&](auto A) {
@@ -39,7 +49,7 @@ void softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::in
   });
 }
 
-// y = x - max - log sum exp(x - max)
+// x (rows, C) -> y (rows, C): y = x - max - log sum exp(x - max)
 template <class T>
 void log_softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t C) {
   parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
@@ -51,13 +61,13 @@ void log_softmax_forward(const T* x, T* y, std::int64_t rows, std::int64_t C) {
       const double s = exp_shifted(xr, mx, e.data(), C);
       // (x - max) - log(s), not x - (max + log(s)): x - max is exact (Sterbenz) and log(s) is
       // small, whereas rounding max + log(s) to T first loses log(s)'s low digits when |max| is
-      // large (float32 logits near 1000 gave log-probabilities off by ~2e-5).
+      // large (a float32 ulp near 1000 is 6e-5).
       const T logs = static_cast<T>(std::log(s));
       for (std::int64_t c = 0; c < C; ++c) yr[c] = (xr[c] - mx) - logs;
     }
   });
 }
-// dx = dy - exp(y) * sum_c dy_c
+// y (rows, C), dy (rows, C) -> dx (rows, C): dx = dy - exp(y) * sum_c dy_c
 template <class T>
 void log_softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std::int64_t C, bool acc) {
   with_acc(acc, [&](auto A) {
@@ -73,8 +83,9 @@ void log_softmax_backward(const T* y, const T* dy, T* dx, std::int64_t rows, std
   });
 }
 
-// Cross-entropy, fused: loss_r = logsumexp(x_r) - x_r[t_r] for rows whose target is not ignored;
-// returns the sum over those rows (in double) and writes each row's logsumexp for the backward.
+// x (rows, C), t (rows) -> lse (rows), and the summed loss. Cross-entropy, fused:
+// loss_r = logsumexp(x_r) - x_r[t_r] for rows whose target is not ignored; returns the sum over
+// those rows (in double) and writes each row's logsumexp for the backward.
 template <class T>
 double cross_entropy_forward(const T* x, const std::int32_t* t, T* lse, std::int64_t rows, std::int64_t C,
                              std::int64_t ignore_index) {
@@ -97,7 +108,8 @@ double cross_entropy_forward(const T* x, const std::int32_t* t, T* lse, std::int
   for (double v : part) total += v;
   return total;
 }
-// dx_r = (softmax(x_r) - onehot(t_r)) * scale for non-ignored rows; scale = dloss / count.
+// x (rows, C), t (rows), lse (rows) -> dx (rows, C): dx_r = (softmax(x_r) - onehot(t_r)) * scale
+// for non-ignored rows, 0 for ignored ones; scale = dloss / count.
 template <class T>
 void cross_entropy_backward(const T* x, const std::int32_t* t, const T* lse, T scale, T* dx, std::int64_t rows,
                             std::int64_t C, std::int64_t ignore_index, bool acc) {
