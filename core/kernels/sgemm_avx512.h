@@ -5,10 +5,11 @@
 // (isa.h); docs/matmul.md walks through it.
 //
 // - The tile is 14 x 32: 28 zmm accumulators (two 16-float registers per row), two for the row of
-//   B, and the broadcasts of A come from memory inside the FMA ({1to16}). Each k step does 28 FMAs
-//   (14 cycles on two 512-bit FMA pipes) for 2 loads of B and 14 broadcasts, so the loop is bound
-//   by the FMAs, not by the loads, and the 28 independent accumulators cover the FMA latency
-//   (4 cycles x 2 pipes needs 8) many times over.
+//   B, one for the broadcast of a(i, k): 31 of 32 registers. Each k step does 28 FMAs (14 cycles on
+//   two 512-bit FMA pipes) for 2 loads of B and 14 broadcasts, so the loop is bound by the FMAs,
+//   not by the loads, and 28 independent accumulators cover the FMA latency (4 cycles x 2 pipes
+//   needs 8) several times over. (12 x 32 and 8 x 32 fit too; with fewer rows, each k step's loads
+//   of B serve fewer FMAs.)
 // - A 32-column panel of B is kc x 128 bytes: 32 KB at kc = 256, two thirds of a 48 KB L1.
 // - K blocks are as the AVX2 product's (kc <= 256, the same cut of K), and every element of C is
 //   one chain of FMAs over k in order in each, so the two products give the same bits.

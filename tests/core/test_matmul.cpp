@@ -390,6 +390,31 @@ TEST_CASE("gemm_tri skips a zero triangle of op(A) or an unneeded triangle of C 
   });
 }
 
+TEST_CASE("each instruction set runs its own tile: gemm_tri's lower_c leaves exactly the tiles above the diagonal") {
+  // lower_c leaves the elements of C in tiles wholly above the diagonal as they were (kernels/gemm.h):
+  // which elements those are shows the tile in use, 6 x 16 for avx2, 14 x 32 for avx512 (tiles start
+  // at multiples of their size); portable makes the whole product.
+  const int before = get_num_threads();
+  set_num_threads(1);
+  Generator g(48);
+  each_isa([&](kernels::Isa level) {
+    const int MR = level == kernels::Isa::avx512 ? 14 : 6, NR = level == kernels::Isa::avx512 ? 32 : 16;
+    const int T = 70, hs = 8;
+    Tensor q = randn({T, hs}, float32, &g), k = randn({T, hs}, float32, &g), C = full({T, T}, 7.0, float32);
+    kernels::gemm_tri<float>(kernels::Tri::lower_c, false, true, T, T, hs, 1.0f, q.data<float>(), hs, k.data<float>(),
+                             hs, 0.0f, C.data<float>(), T);
+    int wrong = 0;
+    for (int i = 0; i < T; ++i)
+      for (int j = 0; j < T; ++j) {
+        const int r = i / MR * MR, last = std::min(r + MR, T) - 1;
+        const bool skipped = level != kernels::Isa::portable && j / NR * NR > last;
+        wrong += (C.data<float>()[i * T + j] == 7.0f) != skipped;
+      }
+    CHECK(wrong == 0);
+  });
+  set_num_threads(before);
+}
+
 TEST_CASE("gemm_pair computes two products side by side as two gemm calls would, any team size") {
   // The team is cut in two in proportion to the products' work (kernels/gemm.cpp); each part
   // splits its product again when it has several threads. Products of equal and unequal work,
