@@ -4,7 +4,9 @@
 //
 // x: 5 inputs of 3 features (data, no gradient); W (3, 4), b (4,), g (4,): named parameters;
 // t: the 5 target classes. Prints the tape, writes it as Graphviz DOT (to argv[1], default
-// tape.dot), runs backward and prints the parameters' gradients and the emptied tape.
+// tape.dot), runs backward and prints the parameters' gradients and the emptied tape. Then shows
+// that a freed graph refuses a second backward, and that a second forward and backward adds to
+// the parameters' gradients.
 #include <fstream>
 #include <iostream>
 
@@ -30,4 +32,15 @@ int main(int argc, char** argv) {
   std::cout << "dL/dW =\n" << W.grad() << "\ndL/db =\n" << b.grad() << "\ndL/dg =\n" << g.grad() << "\n";
   std::cout << "a.grad() defined after backward: " << (a.grad().defined() ? "yes" : "no") << "\n";
   tg::tape().print(std::cout);
+
+  // The nodes were freed: differentiating the same graph again is refused.
+  try {
+    loss.backward();
+  } catch (const tg::Error& e) {
+    std::cout << e.what() << "\n";
+  }
+  // A new forward records new nodes; its backward adds to the leaves' gradients (zero_grad() drops them).
+  tg::Tensor loss2 = tg::cross_entropy(tg::rms_norm(tg::matmul(x, W) + b, g, tg::Tensor(), 1e-5), t);
+  loss2.backward();
+  std::cout << "dL/db after a second forward and backward =\n" << b.grad() << "\n";
 }
