@@ -6,9 +6,9 @@
 // Statistics accumulate in double whatever T is, variances are two-pass (mean first, then squared
 // deviations), and per-row statistics are saved for the backward so it never recomputes them.
 // The per-row sums are 16 interleaved partial sums (sum16 below): several independent chains in
-// vector registers, added in a fixed order, so results stay deterministic. Float32 RMSNorm rows
-// whose lengths are multiples of 8 take rms_avx2.h's path instead where the build has AVX2: float
-// sums within chunks of 32 features, double across chunks (that file says why).
+// vector registers, added in a fixed order, so results stay deterministic. RMSNorm's float32 rows
+// also have an AVX2 variant beside the portable loops (rms_norm_forward_avx2 and
+// rms_norm_backward_avx2, built on rms_avx2.h), which the op chooses where the row shape fits it.
 // Parameter gradients (dg, db) are sums over rows: each thread accumulates its rows into its own
 // double buffer (RMSNorm's in blocks of 16 rows summed in T first) and the buffers are added in
 // thread order, so results are deterministic for a given thread count.
@@ -113,30 +113,13 @@ void layer_norm_backward(const T* x, const T* g, const double* mean, const T* rs
 // ---------------------------------------------------------------------------------------------
 // RMSNorm (k = C) and partial RMSNorm (k < C) over the last axis of (rows, C):
 //   r = sqrt(mean(a[0:k]^2) + eps),  y = a / r * g + b.
+// x, y (rows, C); g, b (C) or null; rrms (rows) receives 1 / r for the backward.
 template <class T>
 void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::int64_t rows, std::int64_t C,
                       std::int64_t k, double eps) {
-  // No gain means a gain of ones: one branch-free loop either way.
-  std::vector<T> ones;
+  std::vector<T> ones;  // no gain: ones, so the loop has no branch
   if (!g) ones.assign(static_cast<std::size_t>(C), T(1));
   const T* gg = g ? g : ones.data();
-#ifdef TG_RMS_AVX2
-  if constexpr (std::is_same_v<T, float>) {
-    if (rms_avx2::fits(C, k)) {
-      with_bool(rms_avx2::streamable(y, rows * C * 4), [&](auto S) {
-        parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
-          for (std::int64_t r = lo; r < hi; ++r) {
-            const double rr = 1.0 / std::sqrt(rms_avx2::sum_squares(x + r * C, k) / static_cast<double>(k) + eps);
-            rrms[r] = static_cast<T>(rr);
-            rms_avx2::scale_row<decltype(S)::value>(x + r * C, gg, b, static_cast<T>(rr), C, y + r * C);
-          }
-          if constexpr (decltype(S)::value) _mm_sfence();  // streamed lines visible before the team's barrier
-        });
-      });
-      return;
-    }
-  }
-#endif
   parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t r = lo; r < hi; ++r) {
       const T* xr = x + r * C;
@@ -144,8 +127,7 @@ void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::in
       const double ms = sum16(k, [&](std::int64_t j) { return static_cast<double>(xr[j]) * xr[j]; }) / static_cast<double>(k);
       const double rr = 1.0 / std::sqrt(ms + eps);
       rrms[r] = static_cast<T>(rr);
-      // The statistic is in double; the elementwise scaling in T, like PyTorch's (one rounding
-      // more than scaling in double, and twice the vector width).
+      // The statistic in double; the elementwise scaling in T, as PyTorch's.
       const T rt = static_cast<T>(rr);
       if (b)
         for (std::int64_t j = 0; j < C; ++j) yr[j] = xr[j] * rt * gg[j] + b[j];
@@ -154,86 +136,117 @@ void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::in
     }
   });
 }
+
 // The paper's eq. (section 4), generalised to pRMSNorm: r depends only on a[0:k], so
 //   da_i = g_i dy_i / r  -  [i < k] a_i / (k r^3) * sum_{j < n} g_j dy_j a_j
 // (the sum runs over all n outputs, since every y_j is divided by r; only the d r / d a_i factor
 // is restricted to the first k features);  dg += sum_rows dy a / r;  db += sum_rows dy.
-// The row sum and the parameter sums are in double (on the AVX2 path across chunks of 32 features
-// and blocks of 16 rows); the elementwise terms in T.
-template <class T>
-void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx, T* dg, T* db, std::int64_t rows,
-                       std::int64_t C, std::int64_t k, bool acc_dx) {
-  std::vector<T> ones;
-  if (!g) ones.assign(static_cast<std::size_t>(C), T(1));
-  const T* gg = g ? g : ones.data();
-  // The parameter sums run over blocks of kRowBlock rows: within a block in T (vector-wide
-  // multiply-adds into a row of L1), then each block's sums into the thread's double partials.
-  // Summing every row into the double partials directly costs a conversion and a double
-  // multiply-add per element, a large share of a memory-bound backward (docs/performance.md);
-  // a block of 16 float terms loses at most about 16 float roundings before the double sum
-  // takes over.
+//
+// The parameter sums run over blocks of 16 rows: within a block in T (vector-wide multiply-adds
+// into a row of L1), then each block's sums into the thread's double partials, added in thread
+// order (deterministic for a given thread count). A block of 16 float terms loses at most about
+// 16 float roundings before the double sum takes over; converting every term to double would
+// cost a conversion and a double multiply-add per element of a memory-bound pass.
+// rms_norm_backward_rows(rows, C, dg, db, block) runs block(r0, r1, pg, pb) for each block of
+// rows [r0, r1), which writes those rows' dx and adds their parameter terms into pg and pb (null
+// when not wanted), and adds the sums into dg and db.
+template <class T, class Block>
+void rms_norm_backward_rows(std::int64_t rows, std::int64_t C, T* dg, T* db, Block&& block) {
   constexpr std::int64_t kRowBlock = 16;
   const std::int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
-  // The AVX2 path (rms_avx2.h) for float rows it fits; dx streamed past the caches when large.
-  bool fast = false;
-  [[maybe_unused]] bool stream = false;  // read by the AVX2 path only
-#ifdef TG_RMS_AVX2
-  if constexpr (std::is_same_v<T, float>) {
-    fast = rms_avx2::fits(C, k);
-    stream = fast && dx && !acc_dx && rms_avx2::streamable(dx, rows * C * 4);
-  }
-#endif
-  with_acc(acc_dx, [&](auto A) {
   const std::vector<double> tot = rows_with_partials(blocks, 2 * C, rows * C, [&](std::int64_t blk, double* acc) {
     thread_local std::vector<T> part;
     if (dg || db) part.assign(static_cast<std::size_t>(2 * C), T(0));
     T* pg = dg ? part.data() : nullptr;
     T* pb = db ? part.data() + C : nullptr;
-    const std::int64_t r0 = blk * kRowBlock, r1 = std::min(rows, r0 + kRowBlock);
-#ifdef TG_RMS_AVX2
-    if constexpr (std::is_same_v<T, float>) {
-      if (fast) with_bool(stream, [&](auto S) {
-        constexpr bool acc_v = decltype(A)::value, stream_v = decltype(S)::value && !acc_v;
-        for (std::int64_t r = r0; r < r1; ++r) {
-          const double rr = rrms[r];
-          const T rt = static_cast<T>(rr);
-          const double s = rms_avx2::backward_sums(x + r * C, dy + r * C, gg, rt, C, pg, pb);
-          if (dx)
-            rms_avx2::backward_dx<acc_v, stream_v>(x + r * C, dy + r * C, gg, rt,
-                                                   static_cast<T>(s * rr * rr * rr / static_cast<double>(k)), C, k,
-                                                   dx + r * C);
-        }
-        // Streamed stores are weakly ordered: fenced before the block's rows count as written (and
-        // so before the team's barrier, after which other threads may read them).
-        if constexpr (stream_v) _mm_sfence();
-      });
-    }
-#endif
-    for (std::int64_t r = r0; r < r1 && !fast; ++r) {  // the portable rows
-      const T* xr = x + r * C;
-      const T* gr = dy + r * C;
-      const double rr = rrms[r];
-      const T rt = static_cast<T>(rr);
-      const double s = sum16(C, [&](std::int64_t j) { return static_cast<double>(gr[j] * gg[j]) * xr[j]; });
-      // x and dy come from memory once: the loops below find the row in L1.
-      if (dg)
-        for (std::int64_t j = 0; j < C; ++j) pg[j] += gr[j] * xr[j] * rt;
-      if (db)
-        for (std::int64_t j = 0; j < C; ++j) pb[j] += gr[j];
-      if (!dx) continue;
-      T* dr = dx + r * C;
-      const T c2 = static_cast<T>(s * rr * rr * rr / static_cast<double>(k));
-      for (std::int64_t j = 0; j < k; ++j) put<decltype(A)>(dr[j], gr[j] * gg[j] * rt - xr[j] * c2);
-      for (std::int64_t j = k; j < C; ++j) put<decltype(A)>(dr[j], gr[j] * gg[j] * rt);
-    }
+    block(blk * kRowBlock, std::min(rows, (blk + 1) * kRowBlock), pg, pb);
     if (dg)
       for (std::int64_t j = 0; j < C; ++j) acc[j] += static_cast<double>(pg[j]);
     if (db)
       for (std::int64_t j = 0; j < C; ++j) acc[C + j] += static_cast<double>(pb[j]);
   });
   add_param_grads(tot, C, dg, db);
+}
+
+// x, dy, dx (rows, C); g (C) or null; rrms (rows) from the forward; dg, db (C) or null.
+// acc_dx: add into dx instead of writing it.
+template <class T>
+void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx, T* dg, T* db, std::int64_t rows,
+                       std::int64_t C, std::int64_t k, bool acc_dx) {
+  std::vector<T> ones;
+  if (!g) ones.assign(static_cast<std::size_t>(C), T(1));
+  const T* gg = g ? g : ones.data();
+  with_acc(acc_dx, [&](auto A) {
+    rms_norm_backward_rows(rows, C, dg, db, [&](std::int64_t r0, std::int64_t r1, T* pg, T* pb) {
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const T* xr = x + r * C;
+        const T* gr = dy + r * C;
+        const double rr = rrms[r];
+        const T rt = static_cast<T>(rr);
+        const double s = sum16(C, [&](std::int64_t j) { return static_cast<double>(gr[j] * gg[j]) * xr[j]; });
+        if (pg)
+          for (std::int64_t j = 0; j < C; ++j) pg[j] += gr[j] * xr[j] * rt;
+        if (pb)
+          for (std::int64_t j = 0; j < C; ++j) pb[j] += gr[j];
+        if (!dx) continue;
+        T* dr = dx + r * C;
+        const T c2 = static_cast<T>(s * rr * rr * rr / static_cast<double>(k));
+        for (std::int64_t j = 0; j < k; ++j) put<decltype(A)>(dr[j], gr[j] * gg[j] * rt - xr[j] * c2);
+        for (std::int64_t j = k; j < C; ++j) put<decltype(A)>(dr[j], gr[j] * gg[j] * rt);
+      }
+    });
   });
 }
+
+#ifdef TG_RMS_AVX2
+// The same two kernels for float32 rows with AVX2 and FMA (rms_avx2.h: one pass for the
+// backward's sums, float sums per chunk of 32 features, outputs past the cache streamed). The op
+// (core/ops/norms.cpp) takes them where rms_avx2::fits(C, k) and kernels::isa() has AVX2.
+inline void rms_norm_forward_avx2(const float* x, const float* g, const float* b, float* y, float* rrms,
+                                  std::int64_t rows, std::int64_t C, std::int64_t k, double eps) {
+  std::vector<float> ones;
+  if (!g) ones.assign(static_cast<std::size_t>(C), 1.0f);
+  const float* gg = g ? g : ones.data();
+  with_bool(rms_avx2::streamable(y, rows * C * 4), [&](auto S) {
+    parallel_for(rows, rows * C, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t r = lo; r < hi; ++r) {
+        const double rr = 1.0 / std::sqrt(rms_avx2::sum_squares(x + r * C, k) / static_cast<double>(k) + eps);
+        rrms[r] = static_cast<float>(rr);
+        rms_avx2::scale_row<decltype(S)::value>(x + r * C, gg, b, static_cast<float>(rr), C, y + r * C);
+      }
+      if constexpr (decltype(S)::value) _mm_sfence();  // streamed lines visible before the team's barrier
+    });
+  });
+}
+
+inline void rms_norm_backward_avx2(const float* x, const float* g, const float* rrms, const float* dy, float* dx,
+                                   float* dg, float* db, std::int64_t rows, std::int64_t C, std::int64_t k,
+                                   bool acc_dx) {
+  std::vector<float> ones;
+  if (!g) ones.assign(static_cast<std::size_t>(C), 1.0f);
+  const float* gg = g ? g : ones.data();
+  const bool stream = dx && !acc_dx && rms_avx2::streamable(dx, rows * C * 4);
+  with_bool(acc_dx, [&](auto A) {
+    with_bool(stream, [&](auto S) {
+      constexpr bool acc_v = decltype(A)::value, stream_v = decltype(S)::value && !acc_v;
+      rms_norm_backward_rows(rows, C, dg, db, [&](std::int64_t r0, std::int64_t r1, float* pg, float* pb) {
+        for (std::int64_t r = r0; r < r1; ++r) {
+          const double rr = rrms[r];
+          const float rt = static_cast<float>(rr);
+          const double s = rms_avx2::backward_sums(x + r * C, dy + r * C, gg, rt, C, pg, pb);
+          if (dx)
+            rms_avx2::backward_dx<acc_v, stream_v>(x + r * C, dy + r * C, gg, rt,
+                                                   static_cast<float>(s * rr * rr * rr / static_cast<double>(k)), C, k,
+                                                   dx + r * C);
+        }
+        // Streamed stores are weakly ordered: fenced before the block's rows count as written (and
+        // so before the team's barrier, after which other threads may read them).
+        if constexpr (stream_v) _mm_sfence();
+      });
+    });
+  });
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // y = (a - mu_c) rstd_c g_c + b_c with given statistics (used by train and eval).

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "dispatch.h"
+#include "kernels/isa.h"
 #include "kernels/norms.h"
 #include "tapegrad/autograd.h"
 #include "tapegrad/ops.h"
@@ -39,6 +40,27 @@ std::int64_t check_row_norm(const char* op, const Tensor& x, const Tensor& weigh
   check_param(op, "bias", bias, x, C);
   check_eps(op, eps);
   return C;
+}
+
+// RMSNorm's kernels: the AVX2 variant for float32 rows it fits, on a CPU that has AVX2 (and not
+// capped below it by TAPEGRAD_ISA); the portable loops otherwise.
+template <class T>
+void rms_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::int64_t rows, std::int64_t C, std::int64_t k,
+                 double eps) {
+#ifdef TG_RMS_AVX2
+  if constexpr (std::is_same_v<T, float>)
+    if (rms_avx2::fits(C, k) && isa() >= Isa::avx2) return rms_norm_forward_avx2(x, g, b, y, rrms, rows, C, k, eps);
+#endif
+  rms_norm_forward(x, g, b, y, rrms, rows, C, k, eps);
+}
+template <class T>
+void rms_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx, T* dg, T* db, std::int64_t rows,
+                  std::int64_t C, std::int64_t k, bool acc_dx) {
+#ifdef TG_RMS_AVX2
+  if constexpr (std::is_same_v<T, float>)
+    if (rms_avx2::fits(C, k) && isa() >= Isa::avx2) return rms_norm_backward_avx2(x, g, rrms, dy, dx, dg, db, rows, C, k, acc_dx);
+#endif
+  rms_norm_backward(x, g, rrms, dy, dx, dg, db, rows, C, k, acc_dx);
 }
 
 }  // namespace
@@ -84,7 +106,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, doubl
   Tensor rrms = Tensor::empty(Shape{rows}, x.dtype());
   dispatch_float(op, x.dtype(), [&](auto z) {
     using T = decltype(z);
-    rms_norm_forward(x.data<T>(), opt_ptr<T>(weight), opt_ptr<T>(bias), y.data<T>(), rrms.data<T>(), rows, C, k, eps);
+    rms_forward(x.data<T>(), opt_ptr<T>(weight), opt_ptr<T>(bias), y.data<T>(), rrms.data<T>(), rows, C, k, eps);
   });
   if (should_record({&x, &weight, &bias})) {
     struct Saved { Tensor x, weight, rrms; };  // weight undefined when absent
@@ -93,7 +115,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, doubl
              dispatch_float("rms_norm", s.x.dtype(), [&](auto z) {
                using T = decltype(z);
                GradDest dx = n.write_grad(0);
-               rms_norm_backward(s.x.data<T>(), opt_ptr<T>(s.weight), s.rrms.data<T>(), n.grad_out().data<T>(),
+               rms_backward(s.x.data<T>(), opt_ptr<T>(s.weight), s.rrms.data<T>(), n.grad_out().data<T>(),
                                  dx.ptr<T>(), n.add_grad(1).ptr<T>(), n.add_grad(2).ptr<T>(), rows, C, k, dx.acc);
              });
            });

@@ -98,9 +98,10 @@ TEST_CASE("RMSNorm's parameter sums over many rows: blocks of 16 rows, split acr
 }
 
 TEST_CASE("float32 RMSNorm agrees with float64 on every row path: vector rows, streamed outputs, odd widths") {
-  // Float32 rows whose width C and statistic length k are multiples of 8 take the AVX2 path when
-  // the build targets such a CPU (kernels/rms_avx2.h: float sums in chunks of 32, outputs of 16 MiB
-  // and more streamed past the caches); other widths and other builds the portable loops. Either
+  // Float32 rows whose width C and statistic length k are multiples of 8 take the AVX2 variant on a
+  // CPU with AVX2 (kernels/rms_avx2.h: float sums in chunks of 32, outputs of 16 MiB and more
+  // streamed past the caches); other widths, other builds and TAPEGRAD_ISA=portable the portable
+  // loops, and the test runs at both levels. Either
   // way the float32 result must be the float64 one to float32 accuracy: output, dx (written, or
   // added to a gradient another path wrote first), dg and db.
   const int before = get_num_threads();
@@ -117,6 +118,7 @@ TEST_CASE("float32 RMSNorm agrees with float64 on every row path: vector rows, s
       {40, 100, 1.0, true, false, false, true, false},   {40, 768, 0.3, true, false, true, true, false},    // C; k = 231
       {300, 128, 1.0, true, true, false, false, true},   {7, 24, 0.5, true, false, true, true, false},      // no dx; k = 12
       {8192, 512, 1.0, true, false, false, true, true},  {8192, 512, 1.0, true, true, true, true, true}};  // 16 MiB: streamed
+  each_isa({kernels::Isa::portable, kernels::Isa::avx2}, [&](kernels::Isa) {
   std::uint64_t seed = 900;
   for (const Case& c : cases) {
     INFO("rows " << c.rows << " C " << c.C << " p " << c.p << " gain " << c.gain << " bias " << c.bias << " acc "
@@ -165,6 +167,7 @@ TEST_CASE("float32 RMSNorm agrees with float64 on every row path: vector rows, s
     if (c.gain) CHECK(rel(r32.g, r64.g) <= 2e-6);
     if (c.bias) CHECK(rel(r32.b, r64.b) <= 2e-6);
   }
+  });
   set_num_threads(before);
 }
 

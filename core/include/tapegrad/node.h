@@ -93,7 +93,7 @@ struct Node {
   };
   // One autograd slot per input (null where it needs no gradient), the outputs' slots, and the
   // shapes of the inputs without a slot. They follow the saved tensors in one arena block, so a
-  // node is three counts and 64 bytes, one cache line.
+  // node is four counts and 64 bytes, one cache line.
   Span<const Slot> inputs() const { return {slots(), n_in}; }
   Span<const Slot> outputs() const { return {slots() + n_in, n_out}; }
   Span<const Shape> other_shapes() const { return {reinterpret_cast<const Shape*>(slots() + n_in + n_out), n_other}; }
