@@ -138,28 +138,20 @@ inline float daz(float x) { return std::fabs(x) < FLT_MIN ? std::copysign(0.0f, 
 // r = fma(a, b, acc) is rounded on the subnormal grid (spacing 2^-149). |r| > FLT_MIN: the exact
 // value is above FLT_MIN too, not tiny. |r| < FLT_MIN: the exact value is below FLT_MIN - 2^-150,
 // which rounds below FLT_MIN, tiny. |r| == FLT_MIN: the exact value lies within 2^-150 of it, and
-// is tiny when it is below FLT_MIN - 2^-151 (the point halfway to FLT_MIN - 2^-150, whose tie
-// goes to the even FLT_MIN); that needs the exact residual (acc - r) + a b: acc - r is exact in
-// double (both multiples of 2^-149, |acc| < 2^-96 here: with a larger acc the exact sum is a
-// multiple of 2^-120 and never this close to FLT_MIN), a b is exact in double (16 bits), and
-// Knuth's two-sum gives the sum's rounding error, so the comparison is exact.
+// is tiny when it is below FLT_MIN - 2^-151 (halfway to FLT_MIN - 2^-150; that tie goes to the
+// even FLT_MIN). The residual s = (acc - r) + a b decides, and is computed exactly in double:
+// acc - r is exact (both multiples of 2^-149, |acc| < 2^-96; a larger acc makes the exact sum a
+// multiple of 2^-120, never this close to FLT_MIN), a b is exact (16 significant bits), and their
+// sum, at most 2^-150 in magnitude, is either a b itself (acc = r) or, with |a b| >= 2^-150, a
+// multiple of 2^-165: 16 bits.
 inline float fma_ftz(float a, float b, float acc) {
   const float r = std::fma(a, b, acc);
   const float m = std::fabs(r);
   if (!(m <= FLT_MIN)) return r;  // normal, infinite or NaN
   if (m < FLT_MIN) return std::copysign(0.0f, r);
   if (std::fabs(acc) >= 0x1p-96f) return r;
-  const double d = static_cast<double>(acc) - static_cast<double>(r);
-  const double p = static_cast<double>(a) * static_cast<double>(b);
-  double s = d + p;
-  const double bv = s - d;
-  double e = (d - (s - bv)) + (p - bv);
-  if (r < 0) {
-    s = -s;
-    e = -e;
-  }
-  constexpr double kHalfway = -0x1p-151;
-  const bool tiny = s < kHalfway || (s == kHalfway && e < 0);
+  const double s = (static_cast<double>(acc) - static_cast<double>(r)) + static_cast<double>(a) * b;
+  const bool tiny = (r > 0 ? s : -s) < -0x1p-151;
   return tiny ? std::copysign(0.0f, r) : r;
 }
 

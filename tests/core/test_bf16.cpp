@@ -313,17 +313,19 @@ namespace {
 // Operands whose products and partial sums lie around FLT_MIN = 2^-126 (where each multiply-add's
 // flush to zero decides bits), among subnormal bf16 (read as zero), huge values (overflow to
 // infinity), infinities and NaN: every rule of sgemm_bf16.h's arithmetic gets exercised.
-void fill_hard(std::mt19937& g, std::vector<float>& x, bool left) {
+void fill_hard(std::mt19937& g, std::vector<float>& x) {
   for (auto& v : x) {
-    const std::uint32_t r = g() % 100;
+    const std::uint32_t r = g() % 1000;
     const float sign = g() % 2 ? -1.0f : 1.0f;
-    const float m = 1.0f + static_cast<float>(g() % 128) / 128.0f;  // a bf16 significand
-    if (r < 70) v = sign * std::ldexp(m, (left ? -60 : -66) + static_cast<int>(g() % 5));
-    else if (r < 80) v = sign * std::ldexp(m, -40 - static_cast<int>(g() % 60));
-    else if (r < 85) v = sign * from_bits(g() & 0x007FFFFFu);
-    else if (r < 90) v = sign * std::ldexp(m, 60 + static_cast<int>(g() % 8));
-    else if (r < 91) v = sign * std::numeric_limits<float>::infinity();
-    else if (r < 92) v = std::numeric_limits<float>::quiet_NaN();
+    // A bf16 significand, often 1 (sums then land on FLT_MIN exactly, and tiny products decide
+    // whether the result is tiny).
+    const float m = g() % 2 ? 1.0f : 1.0f + static_cast<float>(g() % 128) / 128.0f;
+    if (r < 700) v = sign * std::ldexp(m, -64 + static_cast<int>(g() % 3));
+    else if (r < 900) v = sign * std::ldexp(m, -70 - static_cast<int>(g() % 20));
+    else if (r < 950) v = sign * from_bits(g() & 0x007FFFFFu);
+    else if (r < 970) v = sign * std::ldexp(m, 60 + static_cast<int>(g() % 8));
+    else if (r < 972) v = sign * std::numeric_limits<float>::infinity();
+    else if (r < 974) v = std::numeric_limits<float>::quiet_NaN();
     else v = sign * m;
   }
 }
@@ -336,15 +338,15 @@ TEST_CASE("bf16 product: the emulated path gives vdpbf16ps's bits", "[bf16]") {
     return;
   }
   std::mt19937 g(8);
-  const std::tuple<i64, i64, i64> shapes[] = {{7, 65, 33}, {13, 70, 300}, {6, 64, 2}, {24, 128, 257}};
+  const std::tuple<i64, i64, i64> shapes[] = {{7, 65, 33}, {13, 70, 300}, {6, 64, 2}, {24, 128, 257}, {50, 200, 9}};
   for (int hard = 0; hard < 2; ++hard)
     for (auto [M, N, K] : shapes)
       for (bool ta : {false, true})
         for (bool tb : {false, true}) {
           Problem p = make_problem(g, ta, tb, M, N, K, hard ? 1.0f : 0.5f, g() % 2 ? 0.0f : 1.25f);
           if (hard) {
-            fill_hard(g, p.A, true);
-            fill_hard(g, p.B, false);
+            fill_hard(g, p.A);
+            fill_hard(g, p.B);
           }
           std::vector<float> native = p.C, emulated = p.C;
           bf16_impl::gemm_bf16_single(p.args(false, false, native.data()), true);
@@ -387,4 +389,36 @@ TEST_CASE("bf16 product: the same bits for 1, 2 and 3 threads, alone or as a pai
       REQUIRE(std::memcmp(qp.data(), q1.data(), qp.size() * 4) == 0);
     }
   });
+}
+
+TEST_CASE("bf16 product: a multiply-add flushes to zero exactly when its result rounds below FLT_MIN", "[bf16]") {
+  // One pair, acc = 0 + a1 b1 = +-FLT_MIN, then acc + a0 b0 with a tiny a0 b0 (sgemm_bf16.h: the
+  // result is flushed when, rounded to 24 bits at unbounded exponent, it is below 2^-126; the
+  // numbers just below 2^-126 are 2^-150 apart).
+  struct Case {
+    float a0, b0;
+    bool flushed;
+  };
+  const float t = std::ldexp(1.0f, -75);
+  const Case cases[] = {
+      {-t, std::ldexp(1.0f, -76), false},                       // FLT_MIN - 2^-151, a tie: to the even FLT_MIN
+      {-t * (1 + 0x1p-5f), std::ldexp(1.0f + 0x1p-4f, -76), true},  // just past the tie: tiny
+      {-t, std::ldexp(1.0f, -77), false},                       // FLT_MIN - 2^-152: rounds to FLT_MIN
+      {-t, std::ldexp(1.0f, -75), true},                        // FLT_MIN - 2^-150: representable, tiny
+      {t, std::ldexp(1.0f, -75), false},                        // above FLT_MIN
+      {-t, std::ldexp(1.0f, -52), true},                        // FLT_MIN / 2
+  };
+  for (const Case& c : cases)
+    for (float sign : {1.0f, -1.0f}) {
+      const float A[2] = {sign * c.a0, sign * std::ldexp(1.0f, -63)}, B[2] = {c.b0, std::ldexp(1.0f, -63)};
+      const float want = c.flushed ? sign * 0.0f : sign * FLT_MIN;
+      for (bool native : {false, true}) {
+        if (native && !cpu_has_avx512_bf16()) continue;
+        float C = 1.0f;
+        bf16_impl::gemm_bf16_single(GemmBf16{false, false, 1, 1, 2, 1.0f, Bf16Operand(A, 2), Bf16Operand(B, 1), 0.0f, &C, 1},
+                                    native);
+        INFO("a0 b0 = " << static_cast<double>(c.a0) * c.b0 << " sign " << sign << " native " << native);
+        CHECK(bits_of(C) == bits_of(want));
+      }
+    }
 }
