@@ -22,9 +22,18 @@ void to_bf16_portable(const float* x, bf16* y, std::int64_t n) {
 
 namespace {
 
+// The definition's rounding of 16 floats, u + 0x7FFF + ((u >> 16) & 1), the bf16 in each lane's
+// low half; for finite lanes only (convert32 takes only subnormal lanes from it).
+inline __m512i round_finite(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+  const __m512i odd = _mm512_and_si512(_mm512_maskz_srli_epi32(0xFFFF, u, 16), one);
+  const __m512i t = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  return _mm512_maskz_srli_epi32(0xFFFF, t, 16);
+}
+
 // 32 floats (m selects which are loaded; the others read as 0) -> 32 bf16. vcvtne2ps2bf16 flushes
 // float32 subnormals to zero; a block that holds one (|bits| in (0, 0x00800000)) is redone by the
-// definition's integer rounding, vectorised: u + 0x7FFF + ((u >> 16) & 1), NaN never among them.
+// definition's integer rounding (round_finite).
 inline __m512i convert32(const float* x, __mmask32 m) {
   const __m512 lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>(m), x);
   const __m512 hi = _mm512_maskz_loadu_ps(static_cast<__mmask16>(m >> 16), x + 16);
@@ -37,17 +46,11 @@ inline __m512i convert32(const float* x, __mmask32 m) {
   const __mmask16 sub_hi = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(uhi, _mm512_set1_epi32(1)),
                                                    _mm512_sub_epi32(min_normal, _mm512_set1_epi32(1)));
   if (sub_lo | sub_hi) [[unlikely]] {
-    auto round = [](__m512 v) {
-      const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
-      const __m512i odd = _mm512_and_si512(_mm512_maskz_srli_epi32(0xFFFF, u, 16), one);
-      const __m512i t = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-      return _mm512_maskz_srli_epi32(0xFFFF, t, 16);  // only subnormal lanes are taken from this (no NaN there)
-    };
     const __m512i idx = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
                                          13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     // Each 32-bit lane's low half holds the bf16: gather the low halves of both vectors in order.
     const __m512i even = _mm512_add_epi16(idx, idx);
-    const __m512i exact = _mm512_permutex2var_epi16(round(lo), even, round(hi));
+    const __m512i exact = _mm512_permutex2var_epi16(round_finite(lo), even, round_finite(hi));
     const __mmask32 sub = static_cast<__mmask32>(sub_lo) | (static_cast<__mmask32>(sub_hi) << 16);
     r = _mm512_mask_mov_epi16(r, sub, exact);
   }

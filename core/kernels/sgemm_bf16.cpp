@@ -367,8 +367,9 @@ bool native_path() {
 #endif
 }
 
-// Large enough to share: as kernels::gemm decides for float32 products.
-bool split_worth(const GemmBf16& g) { return std::max(g.M, g.N) >= 32 && worth_parallel(g.M * g.N * g.K / 16); }
+// Large enough to share: at least 2^21 multiply-adds (about 10 us on one core at vdpbf16ps's
+// rate, several times the cost of starting the team), and rows or columns to cut.
+bool split_worth(const GemmBf16& g) { return std::max(g.M, g.N) >= 32 && worth_parallel(g.M * g.N * g.K / 64); }
 
 // The product on the calling thread: B packed one K block at a time (the same panels and sums as
 // the team's plan), then every row block.
