@@ -19,6 +19,12 @@
 //   step_products/gpt/<impl>     every weight product of one bench_train step, forward and backward,
 //                                as the framework makes them (tg) or as direct cblas_sgemm calls
 //                                (cblas): the floor under the step time (bm_step_products).
+//   gemm_isa/<name>/<isa>        the medium GPT's weight products (n_embd 384, 16 x 128 = 2048 rows:
+//                                qkv, proj, fc, fc_out, each forward x W^T and backward dx = dy W, dW =
+//                                dy^T x) through tg::kernels::gemm with the float32 product of one
+//                                instruction set (kernels::set_isa: avx2, avx512, where the CPU has
+//                                them). FLOPS is 2 * M * N * K per second; divide by the cores' FMA
+//                                peak (AVX-512: 2 pipes x 16 floats x 2 flops x clock) for the fraction.
 //   tape/chain/<n>               a chain of n small recorded ops (x = x * 1.0001 + 0.0001 on 4 elements,
 //                                2 ops per step, then sum + backward), as torch_kernels.py's tape_case;
 //                                ns_per_op = wall time of forward + backward / n.
@@ -51,6 +57,7 @@
 #include <vector>
 
 #include "kernels/gemm.h"
+#include "kernels/isa.h"
 #include "tapegrad/autograd.h"
 #include "tapegrad/ops.h"
 #include "tapegrad/random.h"
@@ -218,6 +225,31 @@ void bm_matmul(benchmark::State& state, MatmulCase c, Impl impl) {
       break;
   }
   set_flops(state, c);
+}
+
+// One product C = op(A) op(B) (beta = 0) through kernels::gemm with the given instruction set's
+// float32 product; the level in use is restored after.
+struct ProductCase {
+  const char* name;
+  bool ta, tb;
+  i64 M, N, K;
+};
+void bm_gemm_isa(benchmark::State& state, ProductCase c, tg::kernels::Isa level) {
+  tg::manual_seed(4321);
+  const tg::Tensor a = tg::randn(c.ta ? tg::Shape{c.K, c.M} : tg::Shape{c.M, c.K});
+  const tg::Tensor b = tg::randn(c.tb ? tg::Shape{c.N, c.K} : tg::Shape{c.K, c.N});
+  std::vector<float> out(static_cast<std::size_t>(c.M * c.N));
+  const tg::kernels::Isa before = tg::kernels::isa();
+  tg::kernels::set_isa(level);
+  for (auto _ : state) {
+    tg::kernels::gemm<float>(c.ta, c.tb, c.M, c.N, c.K, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1),
+                             0.0f, out.data(), c.N);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  tg::kernels::set_isa(before);
+  state.counters["FLOPS"] =
+      benchmark::Counter(2.0 * static_cast<double>(c.M * c.N * c.K), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // The weight products of one training step of bench_train's GPT: per layer the Linears qkv, proj,
@@ -388,6 +420,22 @@ int main(int argc, char** argv) {
       benchmark::RegisterBenchmark(("matmul/" + std::string(c.name) + "/" + s + "/" + iname).c_str(), bm_matmul, c, impl)
           ->UseRealTime()->Unit(benchmark::kMicrosecond);
   }
+
+  // The medium GPT (n_embd 384, batch 16 x block 128 = 2048 rows): each Linear's three products.
+  const ProductCase medium[] = {
+      {"qkv_fwd", false, true, 2048, 1152, 384},   {"qkv_dx", false, false, 2048, 384, 1152},
+      {"qkv_dw", true, false, 1152, 384, 2048},    {"proj_fwd", false, true, 2048, 384, 384},
+      {"proj_dx", false, false, 2048, 384, 384},   {"proj_dw", true, false, 384, 384, 2048},
+      {"fc_fwd", false, true, 2048, 1536, 384},    {"fc_dx", false, false, 2048, 384, 1536},
+      {"fc_dw", true, false, 1536, 384, 2048},     {"fc_out_fwd", false, true, 2048, 384, 1536},
+      {"fc_out_dx", false, false, 2048, 1536, 384}, {"fc_out_dw", true, false, 384, 1536, 2048},
+  };
+  for (tg::kernels::Isa level : {tg::kernels::Isa::avx2, tg::kernels::Isa::avx512})
+    if (tg::kernels::cpu_supports(level))
+      for (const ProductCase& c : medium)
+        benchmark::RegisterBenchmark(
+            ("gemm_isa/" + std::string(c.name) + "/" + tg::kernels::isa_name(level)).c_str(), bm_gemm_isa, c, level)
+            ->UseRealTime()->MinTime(0.1)->Unit(benchmark::kMicrosecond);
 
   benchmark::RegisterBenchmark("step_products/gpt/tg", bm_step_products, false)->UseRealTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("step_products/gpt/cblas", bm_step_products, true)->UseRealTime()->Unit(benchmark::kMillisecond);
