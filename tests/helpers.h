@@ -8,8 +8,6 @@
 #include <string>
 #include <tapegrad/tapegrad.h>
 
-#include "kernels/isa.h"
-
 namespace tgtest {
 
 // A float64 leaf with N(0, 1) entries (shifted/scaled), requiring grad, from its own seed.
@@ -20,26 +18,6 @@ inline tg::Tensor param64(const tg::Shape& shape, std::uint64_t seed, double sca
   for (std::int64_t i = 0; i < t.numel(); ++i) p[i] = p[i] * scale + shift;
   t.requires_grad_();
   return t;
-}
-
-// Sets the kernels' instruction set for a scope (kernels/isa.h) and restores the one in use.
-struct IsaScope {
-  tg::kernels::Isa saved = tg::kernels::isa();
-  explicit IsaScope(tg::kernels::Isa level) { tg::kernels::set_isa(level); }
-  ~IsaScope() { tg::kernels::set_isa(saved); }
-  IsaScope(const IsaScope&) = delete;
-  IsaScope& operator=(const IsaScope&) = delete;
-};
-
-// Runs body(level) once for each of the levels this CPU can run, each set in-process in turn.
-template <class F>
-void each_isa(std::initializer_list<tg::kernels::Isa> levels, F&& body) {
-  for (tg::kernels::Isa level : levels) {
-    if (!tg::kernels::cpu_supports(level)) continue;
-    IsaScope scope(level);
-    INFO("isa=" << tg::kernels::isa_name(level));
-    body(level);
-  }
 }
 
 // gradcheck must pass; on failure the report (per-input errors) is printed.

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "helpers.h"
+#include "isa_helpers.h"
 #include "kernels/rms_avx2.h"
 
 using namespace tg;
