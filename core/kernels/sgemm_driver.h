@@ -318,9 +318,9 @@ struct Driver {
     }
   };
 
-  // The team's version of one product: op(B) packed once, by the team (its units dealt out in
-  // turn), then the items taken in turn from a shared counter, so a thread slowed by a neighbour
-  // on the machine takes fewer.
+  // The team's version of one product: op(B) packed once, by the team, then the items; units of
+  // packing and items are both taken in turn from shared counters, so a thread slowed by a
+  // neighbour on the machine takes fewer of each (the packed B is the same whoever packs it).
   static void sgemm_parallel(const Gemm<float>& p) {
     if (no_product(p)) return;
     const int team = omp_get_max_threads();
@@ -329,11 +329,10 @@ struct Driver {
     // shared with the team, and with its A buffer it can take every item if no other thread gets one.
     plan.Bp = tl_b.get(plan.b_floats());
     if (!plan.Bp || !tl_a.get(plan.a_floats())) throw std::bad_alloc();
-    std::atomic<i64> next{0};
+    std::atomic<i64> next_unit{0}, next{0};
 #pragma omp parallel num_threads(team)
     {
-      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      for (i64 u = t; u < plan.units(); u += nt) plan.pack(u);
+      for (i64 u; (u = next_unit.fetch_add(1, std::memory_order_relaxed)) < plan.units();) plan.pack(u);
 #pragma omp barrier
       float* Ap = tl_a.get(plan.a_floats());  // a thread without one takes no items
       for (i64 i; Ap && (i = next.fetch_add(1, std::memory_order_relaxed)) < plan.items;) plan.item(i, Ap);
