@@ -161,24 +161,52 @@ inline void store(float x, float alpha, float beta, float& c) {
   c = beta == 0.0f ? v : std::fma(beta, c, v);
 }
 
+// One multiply-add step of a row of the tile, acc[j] = fma_ftz(a, b[j], acc[j]) for j < 64: the
+// fused multiply-adds as one loop the compiler vectorises, then fma_ftz's checks only where a
+// result is at most FLT_MIN in magnitude, or NaN (rare).
+[[gnu::always_inline]] inline void step_row(float a, const float* b, float* acc) {
+  alignas(64) float r[kNR];
+  for (int j = 0; j < kNR; ++j) r[j] = std::fma(a, b[j], acc[j]);
+  int rare = 0;  // an int: GCC vectorises an OR over ints, not over bools
+  for (int j = 0; j < kNR; ++j) rare |= !(std::fabs(r[j]) > FLT_MIN);
+  if (rare) [[unlikely]]
+    for (int j = 0; j < kNR; ++j) r[j] = fma_ftz(a, b[j], acc[j]);
+  for (int j = 0; j < kNR; ++j) acc[j] = r[j];
+}
+
 // The 6 x 64 tile over `pairs` pairs of k: the pair of row i, pair p is A[i * row + p * step];
-// B's pair (p, j) is Bp[p * 64 + j]. Writes the mv x nv valid part of C.
-void kernel_emulated(i64 pairs, const u32* A, i64 row, i64 step, const u32* Bp, float* C, i64 ldc, float alpha,
-                     float beta, int mv, int nv) {
-  float acc[kMR][kNR] = {};
-  for (i64 p = 0; p < pairs; ++p)
+// B's pair (p, j) is Bp[p * 64 + j]. Writes the mv x nv valid part of C. Rows past mv and columns
+// past nv are zero padding, computed and dropped.
+[[gnu::always_inline]] inline void kernel_emulated_body(i64 pairs, const u32* A, i64 row, i64 step, const u32* Bp,
+                                                        float* C, i64 ldc, float alpha, float beta, int mv, int nv) {
+  alignas(64) float acc[kMR][kNR] = {};
+  alignas(64) float b0[kNR], b1[kNR];
+  for (i64 p = 0; p < pairs; ++p) {
+    for (int j = 0; j < kNR; ++j) {
+      b0[j] = daz(bf16_lo(Bp[p * kNR + j]));
+      b1[j] = daz(bf16_hi(Bp[p * kNR + j]));
+    }
     for (int i = 0; i < mv; ++i) {
       const u32 a = A[i * row + p * step];
-      const float a0 = daz(bf16_lo(a)), a1 = daz(bf16_hi(a));
-      const u32* b = Bp + p * kNR;
-      for (int j = 0; j < nv; ++j) {
-        acc[i][j] = fma_ftz(a1, daz(bf16_hi(b[j])), acc[i][j]);
-        acc[i][j] = fma_ftz(a0, daz(bf16_lo(b[j])), acc[i][j]);
-      }
+      step_row(daz(bf16_hi(a)), b1, acc[i]);  // the pair's odd k first, as vdpbf16ps
+      step_row(daz(bf16_lo(a)), b0, acc[i]);
     }
+  }
   for (int i = 0; i < mv; ++i)
     for (int j = 0; j < nv; ++j) store(acc[i][j], alpha, beta, C[i * ldc + j]);
 }
+
+// Compiled twice: for the build's target, and for AVX2 + FMA (std::fma a libm call without FMA).
+void kernel_emulated(i64 pairs, const u32* A, i64 row, i64 step, const u32* Bp, float* C, i64 ldc, float alpha,
+                     float beta, int mv, int nv) {
+  kernel_emulated_body(pairs, A, row, step, Bp, C, ldc, alpha, beta, mv, nv);
+}
+#ifdef TG_BF16_X86
+[[gnu::target("avx2,fma")]] void kernel_emulated_avx2(i64 pairs, const u32* A, i64 row, i64 step, const u32* Bp,
+                                                       float* C, i64 ldc, float alpha, float beta, int mv, int nv) {
+  kernel_emulated_body(pairs, A, row, step, Bp, C, ldc, alpha, beta, mv, nv);
+}
+#endif
 
 // ---- The native kernel: vdpbf16ps --------------------------------------------------------------
 
@@ -257,6 +285,12 @@ void block_product(const GemmBf16& g, bool native, i64 r0, i64 r1, i64 pc, i64 k
     pack_a_rows(g.A, r0, mc, pc, kc, static_cast<bf16*>(Ap), native);
   }
   const u32* Aw = static_cast<const u32*>(Ap);
+#ifdef TG_BF16_X86
+  const bool avx2 = !native && isa() >= Isa::avx2;
+#else
+  constexpr bool avx2 = false;
+  auto kernel_emulated_avx2 = kernel_emulated;
+#endif
   const i64 row = g.ta ? 1 : pairs, step = g.ta ? kMR : 1;
   for (i64 q = q0; q < q1; ++q) {
     const int nv = static_cast<int>(std::min<i64>(kNR, g.N - q * kNR));
@@ -272,7 +306,8 @@ void block_product(const GemmBf16& g, bool native, i64 r0, i64 r1, i64 pc, i64 k
         continue;
       }
 #endif
-      kernel_emulated(pairs, At, row, step, Bj, Ct, g.ldc, g.alpha, be, mv, nv);
+      if (avx2) kernel_emulated_avx2(pairs, At, row, step, Bj, Ct, g.ldc, g.alpha, be, mv, nv);
+      else kernel_emulated(pairs, At, row, step, Bj, Ct, g.ldc, g.alpha, be, mv, nv);
     }
   }
 }

@@ -21,10 +21,11 @@
 // (the caller's beta for the first block, 1 after; beta = 0 a plain store of alpha acc).
 //
 // Two paths give those bits: vdpbf16ps where the CPU has AVX512_BF16 and isa() allows it
-// (kernels/isa.h), and an emulation (std::fma per step, with the flushes done by hand) everywhere
-// else, which is much slower. Every element is computed by one thread in that fixed order, so the
-// bits do not depend on the number of threads either. NaN payloads may differ between the paths
-// (NaN stays NaN).
+// (kernels/isa.h), and an emulation everywhere else (float32 fused multiply-adds, vectorised for
+// AVX2 + FMA where the CPU has them, the flushes done by hand), an order of magnitude slower: a
+// path for tests and for CPUs without bf16, not a speed-up. Every element is computed by one
+// thread in that fixed order, so the bits do not depend on the number of threads either. NaN
+// payloads may differ between the paths (NaN stays NaN).
 //
 // Accuracy against the exact product of the float32 operands: rounding each operand to bf16 moves
 // it by at most 2^-8 of itself (the unit roundoff of 8 significant bits), so a product a b by at

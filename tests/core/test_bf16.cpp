@@ -410,15 +410,22 @@ TEST_CASE("bf16 product: a multiply-add flushes to zero exactly when its result 
   };
   for (const Case& c : cases)
     for (float sign : {1.0f, -1.0f}) {
-      const float A[2] = {sign * c.a0, sign * std::ldexp(1.0f, -63)}, B[2] = {c.b0, std::ldexp(1.0f, -63)};
+      // 64 equal columns: a whole panel, no zero padding beside them.
+      const float A[2] = {sign * c.a0, sign * std::ldexp(1.0f, -63)};
+      std::vector<float> B(128);
+      for (int j = 0; j < 64; ++j) {
+        B[j] = c.b0;
+        B[64 + j] = std::ldexp(1.0f, -63);
+      }
       const float want = c.flushed ? sign * 0.0f : sign * FLT_MIN;
       for (bool native : {false, true}) {
         if (native && !cpu_has_avx512_bf16()) continue;
-        float C = 1.0f;
-        const GemmBf16 g{false, false, 1, 1, 2, 1.0f, Bf16Operand(A, 2), Bf16Operand(B, 1), 0.0f, &C, 1};
+        std::vector<float> C(64, 1.0f);
+        const GemmBf16 g{false, false, 1, 64, 2, 1.0f, Bf16Operand(A, 2), Bf16Operand(B.data(), 64), 0.0f,
+                         C.data(), 64};
         bf16_impl::gemm_bf16_single(g, native);
         INFO("a0 b0 = " << static_cast<double>(c.a0) * c.b0 << " sign " << sign << " native " << native);
-        CHECK(bits_of(C) == bits_of(want));
+        for (float v : C) REQUIRE(bits_of(v) == bits_of(want));
       }
     }
 }
