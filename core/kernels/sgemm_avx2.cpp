@@ -25,16 +25,17 @@ struct Tile {
   // b(k, j) = Bp[k * 16 + j] (a packed, 32-byte aligned panel). ROWS: a(i, k) = A[i * lda + k]
   // (six rows of A read in place); else a(i, k) = A[k * lda + i] (a packed panel, lda = 6).
   // Written out by hand, one named register per accumulator and one pointer per row of A: the same
-  // loop over arrays (c[6][2], A + i * lda) compiled to indexed addressing and ran 3-10% slower on
-  // the qkv product in three alternating runs.
+  // loop over arrays (c[6][2], A + i * lda) compiles to indexed addressing, which is slower on the
+  // GPT's shapes. (The AVX-512 tile's 14 rows cannot each have a pointer in 16 general registers:
+  // it is written over arrays.)
   template <bool ROWS>
-  static void kernel(i64 kc, const float* __restrict A, i64 lda, const float* __restrict Bp, float* C, i64 ldc, float alpha,
-              float beta, int mv, int nv) {
+  static void kernel(i64 kc, const float* __restrict A, i64 lda, const float* __restrict Bp, float* C, i64 ldc,
+                     float alpha, float beta, int mv, int nv) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
            c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     const i64 row = ROWS ? lda : 1, step = ROWS ? 1 : lda;
     const float *a0 = A, *a1 = A + row, *a2 = A + 2 * row, *a3 = A + 3 * row, *a4 = A + 4 * row, *a5 = A + 5 * row;
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (i64 k = 0; k < kc; ++k) {
       const __m256 b0 = _mm256_load_ps(Bp), b1 = _mm256_load_ps(Bp + 8);
       __m256 a = _mm256_broadcast_ss(a0);
