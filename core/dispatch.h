@@ -1,31 +1,65 @@
 #pragma once
 // Internal helpers shared by the op implementations: dtype dispatch and argument checks.
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#include "kernels/bf16.h"
 #include "tapegrad/error.h"
 #include "tapegrad/tensor.h"
 
+namespace tg {
+// Typed access to a bfloat16 tensor's storage: t.data<kernels::bf16>().
+template <> struct dtype_of<kernels::bf16> { static constexpr DType value = DType::bf16; };
+}  // namespace tg
+
 namespace tg::detail {
 
-// Calls f(T{}) with T = float or double according to the dtype; int32 is an error naming the op.
+// Refuses a storage-only dtype (bfloat16) in an op that computes: the message names the op and the
+// way in, to(float32).
+[[noreturn]] inline void fail_storage_only(const char* op, DType d, const Shape* shape = nullptr) {
+  if (shape) fail(op, "got a ", d, " tensor ", *shape, ": ", d, " is a storage dtype with no arithmetic; convert it with to(float32) first");
+  fail(op, "got a ", d, " tensor: ", d, " is a storage dtype with no arithmetic; convert it with to(float32) first");
+}
+
+// Calls f(T{}) with T = float or double according to the dtype; int32 and bfloat16 are errors
+// naming the op.
 template <class F>
 decltype(auto) dispatch_float(const char* op, DType d, F&& f) {
   switch (d) {
     case DType::f32: return f(float{});
     case DType::f64: return f(double{});
-    default: fail(op, "expected a float32 or float64 tensor, got ", d);
+    case DType::bf16: fail_storage_only(op, d);
+    case DType::i32: break;
   }
+  fail(op, "expected a float32 or float64 tensor, got ", d);
 }
 
-// Calls f(T{}) for any dtype (shape ops, copies).
+// Calls f(T{}) for every dtype: T = float, double, std::int32_t or kernels::bf16. A bf16 is two
+// bytes of bits without arithmetic: a caller copies it, or converts through from_double/to_double.
 template <class F>
 decltype(auto) dispatch_all(DType d, F&& f) {
   switch (d) {
     case DType::f32: return f(float{});
     case DType::f64: return f(double{});
-    default: return f(std::int32_t{});
+    case DType::i32: return f(std::int32_t{});
+    case DType::bf16: return f(kernels::bf16{});
   }
+  fail("dispatch", "unknown dtype ", static_cast<int>(d));
+}
+
+// A stored element as a double (exact for every dtype), and a double stored as T: a cast, or for
+// bfloat16 a cast to float32 and then kernels::to_bf16's rounding (PyTorch's cast goes through
+// float32 the same way, so a float64 can round twice).
+template <class T>
+double to_double(T v) {
+  if constexpr (std::is_same_v<T, kernels::bf16>) return static_cast<double>(kernels::to_float(v));
+  else return static_cast<double>(v);
+}
+template <class T>
+T from_double(double v) {
+  if constexpr (std::is_same_v<T, kernels::bf16>) return kernels::to_bf16(static_cast<float>(v));
+  else return static_cast<T>(v);
 }
 
 inline void check_defined(const char* op, const Tensor& t, const char* what = "input") {
@@ -34,6 +68,7 @@ inline void check_defined(const char* op, const Tensor& t, const char* what = "i
 
 inline void check_float(const char* op, const Tensor& t) {
   check_defined(op, t);
+  if (is_storage_only(t.dtype())) fail_storage_only(op, t.dtype(), &t.shape());
   if (!is_floating(t.dtype())) fail(op, "expected a float32 or float64 tensor, got ", t.dtype(), " ", t.shape());
 }
 

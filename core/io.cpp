@@ -1,8 +1,8 @@
 // State dicts and the safetensors format (https://github.com/huggingface/safetensors).
 //
 // Layout: u64 little-endian header length N, N bytes of UTF-8 JSON, then the data block. The
-// writer follows the reference implementation: tensors sorted by dtype alignment (F64, then F32,
-// then I32, the reference's dtype order descending) and then by name, packed without gaps; the
+// writer follows the reference implementation: tensors sorted by dtype (F64, F32, I32, then BF16:
+// the reference's dtype order descending) and then by name, packed without gaps; the
 // header lists "__metadata__" first and then the tensors in data order, and is padded with spaces
 // so that 8 + N is a multiple of 8. The reader validates the whole header against the file size
 // before it allocates anything for tensor data.
@@ -75,19 +75,21 @@ const char* st_dtype_name(DType d) {
     case DType::f32: return "F32";
     case DType::f64: return "F64";
     case DType::i32: return "I32";
+    case DType::bf16: return "BF16";
   }
   return "?";
 }
 
-// Position in the data block: larger alignment first; F32 before I32 as in the reference's
-// dtype order (which sorts descending by its Dtype enum, where F32 > I32).
+// Position in the data block: the reference's dtype order, which sorts descending by its Dtype
+// enum (... BF16 < I32 < F32 < F64).
 int layout_rank(DType d) {
   switch (d) {
     case DType::f64: return 0;
     case DType::f32: return 1;
     case DType::i32: return 2;
+    case DType::bf16: return 3;
   }
-  return 3;
+  return 4;
 }
 
 // Copies n elements of size itemsize from src to dst, converting between native and
@@ -263,6 +265,7 @@ bool parse_dtype(const std::string& s, DType* out) {
   if (s == "F32") *out = DType::f32;
   else if (s == "F64") *out = DType::f64;
   else if (s == "I32") *out = DType::i32;
+  else if (s == "BF16") *out = DType::bf16;
   else return false;
   return true;
 }
@@ -318,7 +321,7 @@ Entry parse_entry(const std::string& name, const nlohmann::json& v, std::uint64_
   const std::string& ds = dt.get_ref<const std::string&>();
   if (!parse_dtype(ds, &e.dtype)) {
     if (is_known_safetensors_dtype(ds))
-      fail_ctx(ctx, "tensor '", name, "': dtype ", ds, " is not supported (tapegrad reads F32, F64 and I32)");
+      fail_ctx(ctx, "tensor '", name, "': dtype ", ds, " is not supported (tapegrad reads F32, F64, I32 and BF16)");
     fail_ctx(ctx, "tensor '", name, "': unknown dtype '", ds, "'");
   }
 

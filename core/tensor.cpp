@@ -51,7 +51,7 @@ double Tensor::at(std::initializer_list<std::int64_t> idx) const {
   const std::int64_t i = flat_index(idx, "at");
   return detail::dispatch_all(dtype_, [&](auto t) {
     using T = decltype(t);
-    return static_cast<double>(static_cast<const T*>(storage_->data)[i]);
+    return detail::to_double(static_cast<const T*>(storage_->data)[i]);
   });
 }
 
@@ -59,7 +59,7 @@ void Tensor::set(std::initializer_list<std::int64_t> idx, double v) {
   const std::int64_t i = flat_index(idx, "set");
   detail::dispatch_all(dtype_, [&](auto t) {
     using T = decltype(t);
-    static_cast<T*>(storage_->data)[i] = static_cast<T>(v);
+    static_cast<T*>(storage_->data)[i] = detail::from_double<T>(v);
   });
 }
 
@@ -70,6 +70,9 @@ void Tensor::set(std::initializer_list<std::int64_t> idx, double v) {
 
 Tensor& Tensor::requires_grad_(bool on) {
   if (!defined()) fail("requires_grad_", "tensor is undefined");
+  if (on && is_storage_only(dtype_))
+    fail("requires_grad_", "a ", dtype_, " tensor ", shape_, " cannot require grad (", dtype_,
+         " is a storage dtype; make the float32 tensor the parameter and convert it with to())");
   if (on && !is_floating(dtype_)) fail("requires_grad_", "only float tensors can require grad, got ", dtype_, " ", shape_);
   if (!is_leaf()) fail("requires_grad_", "can only be set on a leaf tensor; use detach() first");
   if (on || meta_) ensure_meta()->requires_grad = on;
@@ -163,7 +166,7 @@ Tensor full(const Shape& shape, double value, DType dtype) {
   detail::dispatch_all(dtype, [&](auto z) {
     using T = decltype(z);
     T* p = static_cast<T*>(t.raw_data());
-    const T v = static_cast<T>(value);
+    const T v = detail::from_double<T>(value);
     for (std::int64_t i = 0; i < t.numel(); ++i) p[i] = v;
   });
   return t;
@@ -184,7 +187,7 @@ Tensor arange(double start, double end, double step, DType dtype) {
   detail::dispatch_all(dtype, [&](auto z) {
     using T = decltype(z);
     T* p = static_cast<T*>(t.raw_data());
-    for (std::int64_t i = 0; i < count; ++i) p[i] = static_cast<T>(start + static_cast<double>(i) * step);
+    for (std::int64_t i = 0; i < count; ++i) p[i] = detail::from_double<T>(start + static_cast<double>(i) * step);
   });
   return t;
 }
@@ -197,7 +200,7 @@ Tensor tensor(const std::vector<double>& values, const Shape& shape, DType dtype
   detail::dispatch_all(dtype, [&](auto z) {
     using T = decltype(z);
     T* p = static_cast<T*>(t.raw_data());
-    for (std::size_t i = 0; i < values.size(); ++i) p[i] = static_cast<T>(values[i]);
+    for (std::size_t i = 0; i < values.size(); ++i) p[i] = detail::from_double<T>(values[i]);
   });
   return t;
 }

@@ -108,6 +108,7 @@ void Module::load_state_dict(const StateDict& sd, bool strict) {
     if (!(src->shape() == t.shape()) || src->dtype() != t.dtype()) {
       std::ostringstream s;
       s << n << ": checkpoint " << src->dtype() << ' ' << src->shape() << ", model " << t.dtype() << ' ' << t.shape();
+      if (src->dtype() != t.dtype()) s << " (convert it with to(" << t.dtype() << ") first)";
       mismatched.push_back(s.str());
     }
   }

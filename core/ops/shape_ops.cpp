@@ -1,6 +1,7 @@
 // Shape ops. reshape shares storage; permute, slice, cat and to copy (storage is always
 // contiguous). Each backward moves the gradient back the way the data came.
 #include <cstring>
+#include <type_traits>
 
 #include "dispatch.h"
 #include "kernels/index.h"
@@ -47,14 +48,32 @@ std::vector<int> inverse_perm(const std::vector<int>& perm) {
 
 namespace {
 
+// A bfloat16 tensor's gradient is bfloat16, and only the ops without arithmetic in their backward
+// (to, reshape, clone) carry one; the others refuse to record rather than fail in backward().
+void refuse_bf16_grad(const char* op, const Tensor& x) {
+  if (x.dtype() == DType::bf16 && x.requires_grad() && grad_enabled())
+    fail(op, "cannot differentiate through a bfloat16 tensor ", x.shape(),
+         " (only to, reshape and clone can); convert it with to(float32) first");
+}
+
 // dx (+)= dy, same number of elements (reshape, clone, and the float casts' identity part): a
 // copy into a fresh gradient, an add into one that holds another path's part.
 void accumulate_flat(const Tensor& dy, GradDest dx) {
+  const std::int64_t n = dx.buf->numel();
+  if (dx.buf->dtype() == DType::bf16) {  // a gradient of a bfloat16 tensor (one that to() made)
+    const kernels::bf16* g = dy.data<kernels::bf16>();
+    kernels::bf16* d = dx.ptr<kernels::bf16>();
+    if (!dx.acc) {
+      if (n) std::memcpy(d, g, static_cast<std::size_t>(n) * sizeof(kernels::bf16));
+      return;
+    }
+    for (std::int64_t i = 0; i < n; ++i) d[i] = kernels::to_bf16(kernels::to_float(d[i]) + kernels::to_float(g[i]));
+    return;
+  }
   dispatch_float("backward", dx.buf->dtype(), [&](auto z) {
     using T = decltype(z);
     const T* g = dy.data<T>();
     T* d = dx.ptr<T>();
-    const std::int64_t n = dx.buf->numel();
     if (!dx.acc) {
       if (n) std::memcpy(d, g, static_cast<std::size_t>(n) * sizeof(T));
       return;
@@ -104,6 +123,7 @@ Tensor clone(const Tensor& x) {
 
 Tensor permute(const Tensor& x, const std::vector<int>& dims) {
   detail::check_defined("permute", x);
+  refuse_bf16_grad("permute", x);
   const int nd = x.dim();
   if (static_cast<int>(dims.size()) != nd) fail("permute", dims.size(), " dims given for a ", nd, "-d tensor ", x.shape());
   std::vector<int> perm(dims.size());
@@ -147,6 +167,7 @@ void around(const Shape& s, int dim, std::int64_t& outer, std::int64_t& inner) {
 
 Tensor slice(const Tensor& x, int dim, std::int64_t start, std::int64_t end, std::int64_t step) {
   detail::check_defined("slice", x);
+  refuse_bf16_grad("slice", x);
   const int d = detail::norm_axis("slice", dim, x.dim(), x.shape());
   if (step < 1) fail("slice", "step must be >= 1, got ", step);
   const std::int64_t n = x.shape()[d];
@@ -188,6 +209,7 @@ Tensor cat(const std::vector<Tensor>& xs, int dim) {
     if (!ok) fail("cat", "tensor ", i, " ", t.dtype(), " ", t.shape(), " does not match tensor 0 ", x0.dtype(), " ", x0.shape(), " outside dim ", d);
     out[d] += t.shape()[d];
   }
+  for (const Tensor& t : xs) refuse_bf16_grad("cat", t);
   std::int64_t outer, inner;
   around(out, d, outer, inner);
   Tensor y = Tensor::empty(out, x0.dtype());
@@ -264,31 +286,59 @@ std::vector<Tensor> split(const Tensor& x, std::int64_t split_size, int dim) {
   return split(x, sizes, d);
 }
 
-Tensor to(const Tensor& x, DType dtype) {
-  detail::check_defined("to", x);
-  if (dtype == x.dtype()) return x;
-  Tensor y = Tensor::empty(x.shape(), dtype);
-  const std::int64_t n = x.numel();
-  if (dtype == DType::i32)  // a float outside int32's range (or NaN) has no int32 value
-    dispatch_float("to", x.dtype(), [&](auto z) {
-      using S = decltype(z);
-      const S* s = x.data<S>();
-      for (std::int64_t i = 0; i < n; ++i)
-        // Compare in double: cast truncates toward zero, so the valid range is (-2^31 - 1, 2^31).
+namespace {
+
+// Refuses to convert x to int32 when a value has no int32 (outside its range, or NaN).
+void check_fits_int32(const Tensor& x) {
+  dispatch_all(x.dtype(), [&](auto z) {
+    using S = decltype(z);
+    if constexpr (!std::is_same_v<S, std::int32_t>) {
+      const S* s = static_cast<const S*>(x.raw_data());
+      for (std::int64_t i = 0; i < x.numel(); ++i) {
+        // Compare in double: the cast truncates toward zero, so the valid range is (-2^31 - 1, 2^31).
         // As S = float the bound -2147483649 would round to -2^31 and wrongly reject INT32_MIN.
-        if (!(static_cast<double>(s[i]) > -2147483649.0 && static_cast<double>(s[i]) < 2147483648.0))
-          fail("to", "value ", s[i], " at position ", i, " of ", x.shape(), " does not fit int32");
-    });
+        const double v = detail::to_double(s[i]);
+        if (!(v > -2147483649.0 && v < 2147483648.0))
+          fail("to", "value ", v, " at position ", i, " of ", x.dtype(), " ", x.shape(), " does not fit int32");
+      }
+    }
+  });
+}
+
+// y = x converted elementwise. float32 <-> bfloat16 use the vectorised array conversions
+// (kernels/bf16.h); the other pairs with bfloat16 go through double (detail::from_double).
+void convert(const Tensor& x, Tensor& y) {
+  const std::int64_t n = x.numel();
+  if (x.dtype() == DType::f32 && y.dtype() == DType::bf16)
+    return kernels::to_bf16(x.data<float>(), y.data<kernels::bf16>(), n);
+  if (x.dtype() == DType::bf16 && y.dtype() == DType::f32)
+    return kernels::to_float(x.data<kernels::bf16>(), y.data<float>(), n);
   dispatch_all(x.dtype(), [&](auto zs) {
     using S = decltype(zs);
-    dispatch_all(dtype, [&](auto zd) {
+    dispatch_all(y.dtype(), [&](auto zd) {
       using D = decltype(zd);
       const S* s = static_cast<const S*>(x.raw_data());
       D* o = static_cast<D*>(y.raw_data());
-      for (std::int64_t i = 0; i < n; ++i) o[i] = static_cast<D>(s[i]);
+      if constexpr (std::is_same_v<S, kernels::bf16> || std::is_same_v<D, kernels::bf16>) {
+        for (std::int64_t i = 0; i < n; ++i) o[i] = detail::from_double<D>(detail::to_double(s[i]));
+      } else {
+        for (std::int64_t i = 0; i < n; ++i) o[i] = static_cast<D>(s[i]);
+      }
     });
   });
-  if (is_floating(dtype) && should_record({&x}))
+}
+
+}  // namespace
+
+Tensor to(const Tensor& x, DType dtype) {
+  detail::check_defined("to", x);
+  if (dtype == x.dtype()) return x;
+  if (dtype == DType::i32) check_fits_int32(x);
+  Tensor y = Tensor::empty(x.shape(), dtype);
+  convert(x, y);
+  // Differentiable to every dtype but int32, as in PyTorch: the gradient comes back converted to
+  // x's dtype (through bfloat16 it is rounded to bfloat16 on the way, as y's gradient is bfloat16).
+  if (dtype != DType::i32 && should_record({&x}))
     record("to", {&x}, {&y}, [](Node& nd) {  // writes dx, converted back to x's dtype
       GradDest dx = nd.write_grad(0);
       accumulate_flat(to(nd.grad_out().detach(), dx.buf->dtype()), dx);

@@ -1,7 +1,7 @@
 // Randomized robustness test of every public op in tapegrad/ops.h.
 //
 // Thousands of calls with random shapes (0 to 4 dims, sizes 0 to 5, so zero-size tensors are
-// common), dtypes (float32, float64, and int32 that float ops must refuse), axes (negative,
+// common), dtypes (float32, float64, and int32 and bfloat16 that float ops must refuse), axes (negative,
 // duplicated, out of range), scalars and values (normal numbers mixed with signed zeros, 1e30,
 // subnormals, float32's largest value, NaN, +-inf), undefined tensors and deliberately
 // mismatched shapes and dtypes. Every call must either return or throw tg::Error; any other
@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "helpers.h"
+#include "kernels/bf16.h"
 
 namespace {
 
@@ -128,11 +129,20 @@ class Rng {
 
 // A value as a tensor of dtype dt stores it (float32 saturates to +-inf: an out-of-range
 // double-to-float conversion is undefined in C++, so the test never performs one).
+// bfloat16 stores the float32 value rounded to 8 significant bits, to nearest, ties to even (in
+// the default rounding mode nearbyint rounds so), with float32's exponent range: its subnormals are
+// multiples of 2^-133, and a value that rounds beyond the largest finite float32 is infinite.
 double as_dtype(double v, DType dt) {
   if (dt == DType::f64 || std::isnan(v)) return v;
   if (dt == DType::i32) return v;
   if (std::isfinite(v) && std::fabs(v) > FLT_MAX) return v > 0 ? kInf : -kInf;
-  return static_cast<double>(static_cast<float>(v));
+  const double f = static_cast<double>(static_cast<float>(v));
+  if (dt != DType::bf16 || f == 0 || std::isinf(f)) return f;
+  int e = 0;
+  (void)std::frexp(f, &e);  // f = m 2^e, 0.5 <= |m| < 1: 8 significant bits are steps of 2^(e-8)
+  const double q = std::ldexp(1.0, std::max(e - 8, -133));
+  const double b = std::nearbyint(f / q) * q;
+  return std::fabs(b) > FLT_MAX ? std::copysign(kInf, b) : b;
 }
 
 // Normal numbers, or (when specials) sometimes a special: signed zeros, 1e30 (its square
@@ -159,6 +169,9 @@ Tensor filled(const Shape& s, DType dt, const std::function<double()>& gen) {
   } else if (dt == DType::f64) {
     double* p = t.data<double>();
     for (i64 i = 0; i < n; ++i) p[i] = gen();
+  } else if (dt == DType::bf16) {
+    auto* p = static_cast<tg::kernels::bf16*>(t.raw_data());
+    for (i64 i = 0; i < n; ++i) p[i] = tg::kernels::to_bf16(static_cast<float>(as_dtype(gen(), DType::f32)));
   } else {
     std::int32_t* p = t.data<std::int32_t>();
     for (i64 i = 0; i < n; ++i) p[i] = static_cast<std::int32_t>(gen());
@@ -185,8 +198,10 @@ Shape rand_shape(Rng& r, int min_nd = 0, int max_nd = 4) {
 }
 
 DType float_dtype(Rng& r) { return r.chance(0.5) ? DType::f32 : DType::f64; }
-// Mostly float; sometimes int32, which float ops must refuse.
-DType any_dtype(Rng& r, double p_int = 0.07) { return r.chance(p_int) ? DType::i32 : float_dtype(r); }
+// Mostly float; sometimes int32 or bfloat16, which float ops must refuse.
+DType any_dtype(Rng& r, double p_int = 0.07) {
+  return r.chance(p_int) ? r.pick({DType::i32, DType::bf16}) : float_dtype(r);
+}
 DType other_dtype(Rng& r, DType dt) {
   return dt == DType::f32 ? r.pick({DType::f64, DType::i32})
          : dt == DType::f64 ? r.pick({DType::f32, DType::i32})
@@ -1615,13 +1630,13 @@ void fuzz_split(Rng& r, std::uint64_t seed) {
 void fuzz_to_clone(Rng& r, std::uint64_t seed) {
   const bool clone = r.chance(0.3);
   const std::string name = clone ? "clone" : "to";
-  const DType from = any_dtype(r, 0.25), to = r.pick({DType::f32, DType::f64, DType::i32});
+  const DType from = any_dtype(r, 0.25), to = r.pick({DType::f32, DType::f64, DType::i32, DType::bf16});
   Shape s = rand_shape(r);
   Tensor x = input(r, s, from);
   if (from != DType::i32 && to == DType::i32 && x.defined() && r.chance(0.6)) {
     // values an int32 can hold (fractions truncate toward zero), sometimes its extremes
     x = filled(s, from, [&] { return r.chance(0.9) ? std::round(r.normal() * 400) / 8 : r.pick({2147483647.0, -2147483648.0, -0.75}); });
-    if (r.chance(0.5)) x.requires_grad_();
+    if (tg::is_floating(from) && r.chance(0.5)) x.requires_grad_();
   }
   const bool use_method = r.chance(0.3);
   Call call(seed, name);
@@ -1662,7 +1677,7 @@ Tensor param(Rng& r, i64 C, DType dt, bool positive = false) {
   DType pdt = dt;
   if (r.chance(0.06)) s = r.chance(0.5) ? Shape{C + 1} : Shape{1, C};
   if (r.chance(0.04)) pdt = other_dtype(r, dt);
-  if (!tg::is_floating(pdt)) return random_tensor(r, s, pdt);
+  if (!tg::is_floating(pdt)) return random_tensor(r, s, pdt, false);  // (no NaN: refusals compare values)
   Tensor t = filled(s, pdt, [&] { return positive ? std::fabs(r.normal()) + 0.1 : r.normal(); });
   if (r.chance(0.4)) t.requires_grad_();
   return t;

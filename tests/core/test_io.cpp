@@ -444,7 +444,8 @@ TEST_CASE("malformed tensor entries are rejected", "[io]") {
   require_bad(craft(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"extra":1}})", f2),
               {"unknown key 'extra'"});
   // dtypes
-  require_bad(craft(R"({"a":{"dtype":"BF16","shape":[4],"data_offsets":[0,8]}})", f2), {"BF16 is not supported"});
+  require_bad(craft(R"({"a":{"dtype":"U16","shape":[4],"data_offsets":[0,8]}})", f2), {"U16 is not supported"});
+  require_bad(craft(R"({"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,8]}})", f2), {"span 8 bytes", "BF16", "need 4"});
   require_bad(craft(R"({"a":{"dtype":"F16","shape":[4],"data_offsets":[0,8]}})", f2), {"F16 is not supported"});
   require_bad(craft(R"({"a":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", f2), {"unknown dtype 'Q7'"});
   require_bad(craft(R"({"a":{"dtype":32,"shape":[2],"data_offsets":[0,8]}})", f2), {"dtype", "not a string"});

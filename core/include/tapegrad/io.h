@@ -5,7 +5,7 @@
 // header length N, then N bytes of JSON mapping each tensor name to {"dtype", "shape",
 // "data_offsets": [begin, end]} (byte offsets into the data block that follows the header, which
 // the tensors cover contiguously with no gap or overlap), plus an optional "__metadata__" object
-// of string to string. tapegrad writes and reads F32, F64 and I32.
+// of string to string. tapegrad writes and reads F32, F64, I32 and BF16 (bfloat16's bits as stored).
 #include <cstdint>
 #include <map>
 #include <string>

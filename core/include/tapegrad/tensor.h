@@ -6,6 +6,7 @@
 // whose transpose is a strided view).
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <ostream>
@@ -225,6 +226,15 @@ inline detail::Ref<AutogradMeta>& Tensor::ensure_meta() {
   if (!meta_) meta_ = detail::Ref<AutogradMeta>(AutogradMeta::make(shape_, dtype_));
   return meta_;
 }
+namespace detail {
+// The float32 whose upper half are the bits of a bfloat16 (exact: every bfloat16 is a float32).
+inline float bf16_bits_to_float(std::uint16_t bits) {
+  const std::uint32_t u = static_cast<std::uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+}  // namespace detail
 template <class T> std::vector<T> Tensor::to_vector() const {
   std::vector<T> out(static_cast<std::size_t>(numel()));
   const void* p = raw_data();
@@ -233,6 +243,9 @@ template <class T> std::vector<T> Tensor::to_vector() const {
       case DType::f32: out[i] = static_cast<T>(static_cast<const float*>(p)[i]); break;
       case DType::f64: out[i] = static_cast<T>(static_cast<const double*>(p)[i]); break;
       case DType::i32: out[i] = static_cast<T>(static_cast<const std::int32_t*>(p)[i]); break;
+      case DType::bf16:
+        out[i] = static_cast<T>(detail::bf16_bits_to_float(static_cast<const std::uint16_t*>(p)[i]));
+        break;
     }
   }
   return out;
