@@ -50,7 +50,9 @@ decltype(auto) dispatch_all(DType d, F&& f) {
 
 // A stored element as a double (exact for every dtype), and a double stored as T: a cast, or for
 // bfloat16 a cast to float32 and then kernels::to_bf16's rounding (PyTorch's cast goes through
-// float32 the same way, so a float64 can round twice).
+// float32 the same way, so a float64 can round twice). Beyond float32's largest value a bfloat16
+// is infinite whichever way float32 rounds, so such a double becomes infinity without the cast
+// (which C++ leaves undefined out of range).
 template <class T>
 double to_double(T v) {
   if constexpr (std::is_same_v<T, kernels::bf16>) return static_cast<double>(kernels::to_float(v));
@@ -58,8 +60,14 @@ double to_double(T v) {
 }
 template <class T>
 T from_double(double v) {
-  if constexpr (std::is_same_v<T, kernels::bf16>) return kernels::to_bf16(static_cast<float>(v));
-  else return static_cast<T>(v);
+  if constexpr (std::is_same_v<T, kernels::bf16>) {
+    constexpr double kFltMax = 3.4028234663852886e38;
+    if (v > kFltMax) return kernels::bf16{0x7F80};
+    if (v < -kFltMax) return kernels::bf16{0xFF80};
+    return kernels::to_bf16(static_cast<float>(v));
+  } else {
+    return static_cast<T>(v);
+  }
 }
 
 inline void check_defined(const char* op, const Tensor& t, const char* what = "input") {

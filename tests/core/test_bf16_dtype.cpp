@@ -95,6 +95,8 @@ TEST_CASE("bfloat16 tensors are created by every factory", "[bf16_dtype]") {
   CHECK(got[2] == 1.0);   // the tie goes to even
   CHECK(got[4] == kInf);  // beyond float32's range
   CHECK(got[5] == 256.0);
+  CHECK(full({1}, -1e300, bfloat16).item() == -kInf);
+  CHECK(bf16_bits(full({1}, 3.3961e38, bfloat16))[0] == 0x7F7F);  // the largest finite bfloat16
   CHECK(arange(4, bfloat16).to_vector<double>() == std::vector<double>{0, 1, 2, 3});
 }
 
