@@ -1,11 +1,13 @@
 // matmul: the BLAS path against the naive reference, every transpose and batch layout, gradients.
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "helpers.h"
+#include "isa_helpers.h"
 #include "kernels/gemm.h"
 #include "kernels/isa.h"
 #include "kernels/sgemm_avx2.h"
@@ -32,26 +34,14 @@ Tensor naive_matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   return c;
 }
 
-// Runs body once for each float32 product this CPU can run (kernels/isa.h): portable (OpenBLAS),
-// avx2 (our 6 x 16 tile) and avx512 (our 14 x 32 tile), each set in-process in turn; then restores
-// the level in use.
-template <class F>
-void each_isa(F&& body) {
-  struct Restore {
-    kernels::Isa level;
-    ~Restore() { kernels::set_isa(level); }
-  } restore{kernels::isa()};
-  for (kernels::Isa level : {kernels::Isa::portable, kernels::Isa::avx2, kernels::Isa::avx512}) {
-    if (!kernels::cpu_supports(level)) continue;
-    kernels::set_isa(level);
-    INFO("isa=" << kernels::isa_name(level));
-    body(level);
-  }
-}
+// The float32 products' levels (kernels/isa.h): portable (OpenBLAS), avx2 (our 6 x 16 tile) and
+// avx512 (our 14 x 32 tile); each_isa (isa_helpers.h) runs a test under each the CPU has.
+const std::initializer_list<kernels::Isa> kProducts = {kernels::Isa::portable, kernels::Isa::avx2,
+                                                       kernels::Isa::avx512};
 }  // namespace
 
 TEST_CASE("gemm (BLAS) agrees with the naive reference for every transpose, alpha and beta") {
-  each_isa([&](kernels::Isa) {
+  each_isa(kProducts, [&](kernels::Isa) {
     Generator g(3);
     for (bool ta : {false, true})
       for (bool tb : {false, true})
@@ -79,7 +69,7 @@ TEST_CASE("gemm (BLAS) agrees with the naive reference for every transpose, alph
 
 TEST_CASE("gemm with beta = 0 ignores what C held, NaN included, and leaves the columns beyond N alone") {
   // BLAS's rule; gemm implements beta = 0 as a zero fill and beta = 1 (see kernels/gemm.cpp).
-  each_isa([&](kernels::Isa) {
+  each_isa(kProducts, [&](kernels::Isa) {
     Generator g(11);
     const double nan = std::numeric_limits<double>::quiet_NaN();
     for (auto [M, N, K] : {std::tuple<int, int, int>{5, 7, 3}, {70, 33, 20}, {4, 3, 0}}) {
@@ -110,7 +100,7 @@ TEST_CASE("gemm split across threads (by rows or by columns) matches the naive r
   // Large enough products are cut into blocks of rows (M >= N) or columns of C, one BLAS call per
   // thread (kernels/gemm.cpp). The shapes below put cuts off multiples of 16, give threads blocks
   // of different sizes, and read A, B and C through leading dimensions wider than the matrices.
-  each_isa([&](kernels::Isa) {
+  each_isa(kProducts, [&](kernels::Isa) {
     const int before = get_num_threads();
     Generator g(12);
     for (int threads : {2, 3}) {
@@ -151,7 +141,7 @@ TEST_CASE("float32 gemm on one thread matches the naive reference at every tile,
   // N = 17 and 65: a panel of 1 or 17 columns; K = 257: blocks of 132 and 125, not multiples of the
   // 8-wide transpose; N = 2100: two packs of B), and whole tiles only (12 x 32, 28 x 64), with padded
   // leading dimensions whose extra columns must keep their values.
-  each_isa([&](kernels::Isa) {
+  each_isa(kProducts, [&](kernels::Isa) {
     const int before = get_num_threads();
     set_num_threads(1);
     Generator g(21);
@@ -216,7 +206,7 @@ TEST_CASE("float32 gemm and gemm_pair give the same bits for any team size") {
   // however C is cut (kernels/sgemm_driver.h), so the products, unlike OpenBLAS's, do not change
   // with the thread count. The portable level goes through OpenBLAS, whose blocking depends on the
   // team: checked there to the tolerance instead.
-  each_isa([&](kernels::Isa level) {
+  each_isa(kProducts, [&](kernels::Isa level) {
     const int before = get_num_threads();
     Generator g(44);
     struct P {
@@ -256,10 +246,6 @@ TEST_CASE("the AVX2 and AVX-512 products give the same bits") {
   // (kernels/sgemm_avx512.h), so the instruction set does not change a result: every transpose,
   // beta, a triangle, one thread and two, the shapes ragged for both tiles.
   if (!kernels::cpu_has_avx512()) return;
-  struct Restore {
-    kernels::Isa level;
-    ~Restore() { kernels::set_isa(level); }
-  } restore{kernels::isa()};
   const int before = get_num_threads();
   Generator g(47);
   for (int threads : {1, 2})
@@ -276,7 +262,7 @@ TEST_CASE("the AVX2 and AVX-512 products give the same bits") {
             Tensor C0 = randn({M, N}, float32, &g);
             std::vector<Tensor> out;
             for (kernels::Isa level : {kernels::Isa::avx2, kernels::Isa::avx512}) {
-              kernels::set_isa(level);
+              IsaScope scope(level);
               Tensor C = C0.clone(), T = C0.clone();
               kernels::gemm<float>(ta, tb, M, N, K, 1.25f, A.data<float>(), A.size(1), B.data<float>(), B.size(1), beta,
                                    C.data<float>(), N);
@@ -345,7 +331,7 @@ TEST_CASE("gemm_tri skips a zero triangle of op(A) or an unneeded triangle of C 
   // dS^T q have it zero below (upper_a). T = 300 takes K past one 256-deep block, so a tile's
   // triangle ends inside the second block; 13 and 70 leave ragged tiles on the diagonal. (Builds
   // without the AVX2 kernel make the whole product, so there the two calls agree trivially.)
-  each_isa([&](kernels::Isa) {
+  each_isa(kProducts, [&](kernels::Isa) {
     using kernels::Tri;
     const int before = get_num_threads();
     set_num_threads(1);
@@ -397,7 +383,7 @@ TEST_CASE("each instruction set runs its own tile: gemm_tri's lower_c leaves exa
   const int before = get_num_threads();
   set_num_threads(1);
   Generator g(48);
-  each_isa([&](kernels::Isa level) {
+  each_isa(kProducts, [&](kernels::Isa level) {
     const int MR = level == kernels::Isa::avx512 ? 14 : 6, NR = level == kernels::Isa::avx512 ? 32 : 16;
     const int T = 70, hs = 8;
     Tensor q = randn({T, hs}, float32, &g), k = randn({T, hs}, float32, &g), C = full({T, T}, 7.0, float32);
@@ -419,7 +405,7 @@ TEST_CASE("gemm_pair computes two products side by side as two gemm calls would,
   // The team is cut in two in proportion to the products' work (kernels/gemm.cpp); each part
   // splits its product again when it has several threads. Products of equal and unequal work,
   // one too small to split (run after the other on the whole team), beta 0 and 1.
-  each_isa([&](kernels::Isa) {
+  each_isa(kProducts, [&](kernels::Isa) {
     const int before = get_num_threads();
     Generator g(31);
     struct P {
