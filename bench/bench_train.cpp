@@ -1,6 +1,7 @@
 // bench_train: the training step of examples/train_lm (same model, data, optimiser and schedule),
 // timed, printing one JSON line with the keys of the PyTorch reference (../shared/bench/torch_gpt.py):
-//   framework, norm, threads, steps, ms_per_step_median, tokens_per_s, train_loss, val_loss, peak_rss_mb
+//   framework, norm, threads, steps, ms_per_step_median, tokens_per_s, train_loss, val_loss, peak_rss_mb,
+//   arch, autocast
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
@@ -28,6 +29,10 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", c.batch_size)->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--eval-iters", c.eval_iters, "batches per split for the final loss estimate (0: skip)")->capture_default_str();
   app.add_option("--seed", c.seed)->capture_default_str();
+  bool profile = false;
+  app.add_flag("--profile", profile, "time every op (tg::set_op_timing) and add ms per step by op to the JSON (\"ops\")");
+  app.add_option("--precision", c.precision, "float32|bf16 (tg::AutocastGuard around forward and loss)")
+      ->check(CLI::IsMember({"float32", "bf16"}))->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -41,7 +46,9 @@ int main(int argc, char** argv) {
     c.model.norm = tg::nn::parse_norm_kind(norm);
     c.progress = false;
     lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
+    tg::set_op_timing(profile);
     lm::RunResult r = lm::train(c, corpus);
+    tg::set_op_timing(false);
     // Numbers rounded as the reference rounds them (3, 1 and 4 decimals), written as text so
     // that no binary-to-decimal noise (1543.9850000000001) appears.
     auto num = [](double v, int decimals) {
@@ -61,6 +68,14 @@ int main(int argc, char** argv) {
       j["val_loss"] = num(r.final_val, 4);
     }
     j["peak_rss_mb"] = num(lm::peak_rss_mb(), 1);
+    j["arch"] = "gpt";
+    j["autocast"] = c.precision == "bf16" ? "bf16" : "none";
+    if (profile) {  // per op: forward and backward ms per step, averaged over the run's steps
+      nlohmann::ordered_json ops;
+      const double per = 1e3 / static_cast<double>(c.steps);
+      for (const tg::OpTime& t : tg::op_times()) ops[t.op] = {num(t.forward_s * per, 3), num(t.backward_s * per, 3)};
+      j["ops"] = ops;
+    }
     std::cout << j.dump() << std::endl;
     return 0;
   } catch (const std::exception& e) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <iomanip>
 #include <ostream>
@@ -18,6 +19,7 @@ namespace tg {
 namespace detail {
 thread_local constinit bool t_grad_enabled = true;
 thread_local constinit bool t_anomaly = false;
+thread_local constinit bool t_record_hook = false;  // t_anomaly or op timing
 thread_local constinit Tape* t_tape = nullptr;
 }  // namespace detail
 using detail::t_anomaly;
@@ -222,9 +224,35 @@ void drop_last_node_and_rethrow() {
 void check_anomaly_outputs(const char* op, std::size_t index, const Node& node, const Tensor* const* outputs,
                            std::size_t n_out, const Tensor* const* inputs, std::size_t n_in);
 
+namespace {
+// Op timing (set_op_timing): per op name (static strings, so the pointer is the key), this thread.
+using Clock = std::chrono::steady_clock;
+thread_local constinit bool t_timing = false;
+thread_local Clock::time_point t_mark;
+thread_local std::unordered_map<const char*, OpTime> t_times;
+
+void time_forward(const char* op) {
+  const auto now = Clock::now();
+  OpTime& t = t_times[op];
+  t.forward_s += std::chrono::duration<double>(now - t_mark).count();
+  ++t.calls;
+  t_mark = now;
+}
+}  // namespace
+
 void after_record(Node& node, const Tensor* const* outputs, std::size_t n_out, const Tensor* const* inputs,
                   std::size_t n_in) {
   if (t_anomaly) check_anomaly_outputs(node.op, tape().size() - 1, node, outputs, n_out, inputs, n_in);
+  if (t_timing) time_forward(node.op);
+}
+
+// Runs node's backward, timed when op timing is on.
+void run_backward_timed(Node& n) {
+  if (!t_timing) return n.run_backward();
+  const auto t0 = Clock::now();
+  n.run_backward();
+  t_times[n.op].backward_s += std::chrono::duration<double>(Clock::now() - t0).count();
+  t_mark = Clock::now();
 }
 
 }  // namespace detail
@@ -413,10 +441,37 @@ std::string shapes_of(const Node& n) {
 }
 }  // namespace
 
-void set_detect_anomaly(bool on) { t_anomaly = on; }
+void set_detect_anomaly(bool on) {
+  t_anomaly = on;
+  detail::t_record_hook = t_anomaly || detail::t_timing;
+}
 bool is_anomaly_enabled() { return t_anomaly; }
-DetectAnomalyGuard::DetectAnomalyGuard(bool on) : prev_(t_anomaly) { t_anomaly = on; }
-DetectAnomalyGuard::~DetectAnomalyGuard() { t_anomaly = prev_; }
+
+void set_op_timing(bool on) {
+  detail::t_timing = on;
+  detail::t_record_hook = t_anomaly || detail::t_timing;
+  detail::t_mark = detail::Clock::now();
+}
+void op_timing_mark() { detail::t_mark = detail::Clock::now(); }
+void reset_op_times() { detail::t_times.clear(); }
+std::vector<OpTime> op_times() {
+  std::unordered_map<std::string, OpTime> by_name;  // one op name may sit at several addresses
+  for (const auto& [op, t] : detail::t_times) {
+    OpTime& m = by_name[op];
+    m.op = op;
+    m.forward_s += t.forward_s;
+    m.backward_s += t.backward_s;
+    m.calls += t.calls;
+  }
+  std::vector<OpTime> v;
+  for (auto& [name, t] : by_name) v.push_back(t);
+  std::sort(v.begin(), v.end(), [](const OpTime& a, const OpTime& b) {
+    return a.forward_s + a.backward_s > b.forward_s + b.backward_s;
+  });
+  return v;
+}
+DetectAnomalyGuard::DetectAnomalyGuard(bool on) : prev_(t_anomaly) { set_detect_anomaly(on); }
+DetectAnomalyGuard::~DetectAnomalyGuard() { set_detect_anomaly(prev_); }
 
 namespace detail {
 
@@ -613,7 +668,7 @@ void walk(Tape& tp, std::int64_t from, std::uint64_t mark, bool keep_tape) {
     if (n.freed || !reached(n, mark)) continue;
     for (const auto& in : n.inputs())
       if (in) in->visit = mark;
-    n.run_backward();
+    detail::run_backward_timed(n);
     if (anomaly) detail::check_anomaly_backward(n, static_cast<std::size_t>(i));
     for (const auto& o : n.outputs())
       if (!o->retains_grad) o->grad.reset();

@@ -63,6 +63,8 @@ struct TapeAccess {
 extern thread_local constinit bool t_anomaly;
 // Anomaly mode's check of the gradients node i's backward wrote.
 void check_anomaly_backward(const Node& node, std::size_t index);
+// node.run_backward(), timed when op timing is on (set_op_timing).
+void run_backward_timed(Node& node);
 // Whether retain_grad() was ever called (in any thread): backward then takes its careful first pass.
 void note_retain_grad();
 bool retain_grad_used();

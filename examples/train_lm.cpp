@@ -96,6 +96,10 @@ void add_training_options(CLI::App& app, Options& o) {
   app.add_option("--sample", c.sample, "characters to generate after training")->check(kNonNegative);
   app.add_option("--temperature", c.temperature, "sampling temperature")->check(kPositive)->capture_default_str();
   app.add_option("--top-k", c.top_k, "sample among the k most likely characters (0: all)")->check(kNonNegative)->capture_default_str();
+  app.add_option("--precision", c.precision,
+                 "bf16: matrix products with bfloat16 operands and float32 sums (tg::AutocastGuard); weights, "
+                 "gradients, optimizer state and everything else stay float32")
+      ->check(CLI::IsMember({"float32", "bf16"}))->capture_default_str();
   app.add_flag("--quiet", o.quiet, "no progress output");
   app.add_flag("--detect-anomaly", c.detect_anomaly,
                "check every op's outputs and gradients for NaN/Inf and stop at the first, naming the op (slow; "

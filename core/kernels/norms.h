@@ -1,11 +1,12 @@
 #pragma once
 // Normalisation kernels, forward and backward side by side, with the gradients of Zhang &
 // Sennrich, "Root Mean Square Layer Normalization" (NeurIPS 2019), section 4. Notation per row
-// of n features: a = input, g = gain, b = bias, dy = upstream gradient.
+// of n features (C in the code): a = input, g = gain, b = bias, dy = upstream gradient; RMSNorm's
+// statistic uses the first k of them (k = n, or k < n for pRMSNorm).
 //
 // Statistics accumulate in double whatever T is, variances are two-pass (mean first, then squared
 // deviations), and per-row statistics are saved for the backward so it never recomputes them.
-// The per-row sums are 16 interleaved partial sums (sum16 below): several independent chains in
+// The per-row sums are 16 interleaved partial sums (sum16, kernels/reduce.h): several independent chains in
 // vector registers, added in a fixed order, so results stay deterministic. RMSNorm's float32 rows
 // also have an AVX2 variant beside the portable loops (rms_norm_forward_avx2 and
 // rms_norm_backward_avx2, built on rms_avx2.h), which the op chooses where the row shape fits it.
@@ -27,7 +28,7 @@
 
 namespace tg::kernels {
 
-// Adds the first n entries of src (the dg part, then the db part) into optional outputs.
+// Adds tot[0, C) into dg and tot[C, 2C) into db, each when not null.
 template <class T>
 void add_param_grads(const std::vector<double>& tot, std::int64_t C, T* dg, T* db) {
   for (std::int64_t j = 0; j < C; ++j) {
@@ -137,7 +138,7 @@ void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::in
   });
 }
 
-// The paper's eq. (section 4), generalised to pRMSNorm: r depends only on a[0:k], so
+// The gradient of the paper's section 4, generalised to pRMSNorm: r depends only on a[0:k], so
 //   da_i = g_i dy_i / r  -  [i < k] a_i / (k r^3) * sum_{j < n} g_j dy_j a_j
 // (the sum runs over all n outputs, since every y_j is divided by r; only the d r / d a_i factor
 // is restricted to the first k features);  dg += sum_rows dy a / r;  db += sum_rows dy.

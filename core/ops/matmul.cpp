@@ -9,8 +9,10 @@
 // that holds another path's part, and sums the contributions of broadcast batch entries.
 #include <algorithm>
 
+#include "autocast_cache.h"
 #include "dispatch.h"
 #include "kernels/gemm.h"
+#include "kernels/sgemm_bf16.h"
 #include "kernels/parallel.h"
 #include "kernels/reduce.h"
 #include "tapegrad/autograd.h"
@@ -30,7 +32,18 @@ struct MatmulPlan {
   // for output batch index i: offsets (in matrices) of a's and b's matrix
   std::vector<std::int64_t> ia, ib;
   bool fold = false;       // b is one 2-D matrix and a is not transposed: one gemm over all rows
+  bool bf16 = false;       // float32 inside an autocast scope: bf16 operands, float32 sums
 };
+
+// One product, as kernels::gemm: inside an autocast scope (bf16) with the float32 operands
+// rounded to bfloat16 while they are packed and the sums in float32 (kernels/sgemm_bf16.h).
+template <class T>
+void product(bool bf16, bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A,
+             std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc) {
+  if constexpr (std::is_same_v<T, float>)
+    if (bf16) return kernels::gemm_bf16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  gemm<T>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
 
 MatmulPlan plan_matmul(const Tensor& a, const Tensor& b, bool ta, bool tb, Shape& out) {
   const char* op = "matmul";
@@ -110,11 +123,11 @@ void matmul_forward(const MatmulPlan& p, const MatmulGeom& g, const T* A, const 
     return;
   }
   if (p.fold) {
-    gemm<T>(false, p.tb, p.batch * p.M, p.N, p.K, T(1), A, g.lda, B, g.ldb, T(0), C, p.N);
+    product<T>(p.bf16, false, p.tb, p.batch * p.M, p.N, p.K, T(1), A, g.lda, B, g.ldb, T(0), C, p.N);
     return;
   }
   for_batch(p.batch, p.M * p.N * p.K, true, [&](std::int64_t i) {
-    gemm<T>(p.ta, p.tb, p.M, p.N, p.K, T(1), A + p.ia[i] * g.sa, g.lda, B + p.ib[i] * g.sb, g.ldb, T(0), C + i * g.sc, p.N);
+    product<T>(p.bf16, p.ta, p.tb, p.M, p.N, p.K, T(1), A + p.ia[i] * g.sa, g.lda, B + p.ib[i] * g.sb, g.ldb, T(0), C + i * g.sc, p.N);
   });
 }
 
@@ -134,11 +147,11 @@ void matmul_backward(Node& n, const MatmulSaved& s, const MatmulPlan& p, const M
   if (p.fold) {
     const std::int64_t BM = p.batch * p.M;
     // dA (BM, K) (+)= dC (BM, N) op(B)^T
-    if (dA.defined()) gemm<T>(false, !tb, BM, p.K, p.N, T(1), G, p.N, B, g.ldb, beta_a, dA.ptr<T>(), g.lda);
+    if (dA.defined()) product<T>(p.bf16, false, !tb, BM, p.K, p.N, T(1), G, p.N, B, g.ldb, beta_a, dA.ptr<T>(), g.lda);
     // dB (+)= A^T dC  (B stored (K, N)),  or  dC^T A  (B stored (N, K))
     if (dB.defined()) {
-      if (!tb) gemm<T>(true, false, p.K, p.N, BM, T(1), A, g.lda, G, p.N, beta_b, dB.ptr<T>(), g.ldb);
-      else gemm<T>(true, false, p.N, p.K, BM, T(1), G, p.N, A, g.lda, beta_b, dB.ptr<T>(), g.ldb);
+      if (!tb) product<T>(p.bf16, true, false, p.K, p.N, BM, T(1), A, g.lda, G, p.N, beta_b, dB.ptr<T>(), g.ldb);
+      else product<T>(p.bf16, true, false, p.N, p.K, BM, T(1), G, p.N, A, g.lda, beta_b, dB.ptr<T>(), g.ldb);
     }
     return;
   }
@@ -148,8 +161,8 @@ void matmul_backward(Node& n, const MatmulSaved& s, const MatmulPlan& p, const M
       const T* Bi = B + p.ib[i] * g.sb;
       const T* Gi = G + i * g.sc;
       T* Di = D + p.ia[i] * g.sa;
-      if (!ta) gemm<T>(false, !tb, p.M, p.K, p.N, T(1), Gi, p.N, Bi, g.ldb, beta_a, Di, g.lda);  // dC op(B)^T
-      else gemm<T>(tb, true, p.K, p.M, p.N, T(1), Bi, g.ldb, Gi, p.N, beta_a, Di, g.lda);        // op(B) dC^T
+      if (!ta) product<T>(p.bf16, false, !tb, p.M, p.K, p.N, T(1), Gi, p.N, Bi, g.ldb, beta_a, Di, g.lda);  // dC op(B)^T
+      else product<T>(p.bf16, tb, true, p.K, p.M, p.N, T(1), Bi, g.ldb, Gi, p.N, beta_a, Di, g.lda);        // op(B) dC^T
     });
   }
   if (dB.defined()) {
@@ -158,8 +171,8 @@ void matmul_backward(Node& n, const MatmulSaved& s, const MatmulPlan& p, const M
       const T* Ai = A + p.ia[i] * g.sa;
       const T* Gi = G + i * g.sc;
       T* Di = D + p.ib[i] * g.sb;
-      if (!tb) gemm<T>(!ta, false, p.K, p.N, p.M, T(1), Ai, g.lda, Gi, p.N, beta_b, Di, g.ldb);  // op(A)^T dC
-      else gemm<T>(true, ta, p.N, p.K, p.M, T(1), Gi, p.N, Ai, g.lda, beta_b, Di, g.ldb);        // dC^T op(A)
+      if (!tb) product<T>(p.bf16, !ta, false, p.K, p.N, p.M, T(1), Ai, g.lda, Gi, p.N, beta_b, Di, g.ldb);  // op(A)^T dC
+      else product<T>(p.bf16, true, ta, p.N, p.K, p.M, T(1), Gi, p.N, Ai, g.lda, beta_b, Di, g.ldb);        // dC^T op(A)
     });
   }
 }
@@ -171,7 +184,8 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   detail::check_float("matmul", b);
   detail::check_same_dtype("matmul", a, b);
   Shape out;
-  const MatmulPlan p = plan_matmul(a, b, ta, tb, out);
+  MatmulPlan p = plan_matmul(a, b, ta, tb, out);
+  p.bf16 = detail::t_autocast && a.dtype() == DType::f32;
   Tensor y = Tensor::empty(out, a.dtype());
   const std::int64_t lda = a.size(-1), ldb = b.size(-1);
   const MatmulGeom g{lda, ldb, a.size(-2) * lda, b.size(-2) * ldb, p.M * p.N};
@@ -198,7 +212,40 @@ namespace {
 // linear's backward: dx (rows, in) (+)= dy w;  dw (out, in) (+)= dy^T x;  db (+)= column sums of
 // dy. dx and dw take the same number of multiply-adds and are computed side by side
 // (kernels::gemm_pair) unless x and w are one tensor, whose gradient the two then write in turn.
-struct LinearSaved { Tensor x, w; };
+// Recorded inside an autocast scope, the two products are bf16 ones, with the weight's bf16 copy.
+struct LinearSaved { Tensor x, w, w_bf16; };
+const kernels::bf16* bf16_data(const Tensor& t) { return static_cast<const kernels::bf16*>(t.raw_data()); }  // w_bf16: undefined outside an autocast scope
+template <class T>
+void linear_backward_products(const LinearSaved& s, GradDest& dx, GradDest& dw, const T* G, std::int64_t rows,
+                              std::int64_t in, std::int64_t out) {
+  const bool pair = dx.defined() && dw.defined() && dx.buf != dw.buf;
+  if constexpr (std::is_same_v<T, float>) {
+    if (s.w_bf16.defined()) {
+      using kernels::Bf16Operand;
+      const kernels::bf16* wh = bf16_data(s.w_bf16);
+      const kernels::GemmBf16 px{false, false, rows, in, out, 1.0f, Bf16Operand(G, out), Bf16Operand(wh, in),
+                                 dx.acc ? 1.0f : 0.0f, dx.ptr<float>(), in};
+      const kernels::GemmBf16 pw{true, false, out, in, rows, 1.0f, Bf16Operand(G, out), Bf16Operand(s.x.data<float>(), in),
+                                 dw.acc ? 1.0f : 0.0f, dw.ptr<float>(), in};
+      if (pair) kernels::gemm_bf16_pair(px, pw);
+      else {
+        if (dx.defined()) kernels::gemm_bf16(px);
+        if (dw.defined()) kernels::gemm_bf16(pw);
+      }
+      return;
+    }
+  }
+  const kernels::Gemm<T> px{false, false, rows, in, out, T(1), G, out, s.w.data<T>(), in, dx.acc ? T(1) : T(0),
+                            dx.ptr<T>(), in};
+  const kernels::Gemm<T> pw{true, false, out, in, rows, T(1), G, out, s.x.data<T>(), in, dw.acc ? T(1) : T(0),
+                            dw.ptr<T>(), in};
+  if (pair) kernels::gemm_pair(px, pw);
+  else {
+    if (dx.defined()) kernels::gemm(px);
+    if (dw.defined()) kernels::gemm(pw);
+  }
+}
+
 template <class T>
 void linear_backward(Node& n, const LinearSaved& s, std::int64_t rows, std::int64_t in, std::int64_t out) {
   const T* G = n.grad_out().data<T>();
@@ -207,15 +254,7 @@ void linear_backward(Node& n, const LinearSaved& s, std::int64_t rows, std::int6
     n.add_grad(1);
   } else {
     GradDest dx = n.write_grad(0), dw = n.write_grad(1);
-    const kernels::Gemm<T> px{false, false, rows, in, out, T(1), G, out, s.w.data<T>(), in, dx.acc ? T(1) : T(0),
-                              dx.ptr<T>(), in};
-    const kernels::Gemm<T> pw{true, false, out, in, rows, T(1), G, out, s.x.data<T>(), in, dw.acc ? T(1) : T(0),
-                              dw.ptr<T>(), in};
-    if (dx.defined() && dw.defined() && dx.buf != dw.buf) kernels::gemm_pair(px, pw);
-    else {
-      if (dx.defined()) kernels::gemm(px);
-      if (dw.defined()) kernels::gemm(pw);
-    }
+    linear_backward_products<T>(s, dx, dw, G, rows, in, out);
   }
   if (GradDest db = n.write_grad(2); db.defined()) {
     if (!db.acc) kernels::sum_forward(G, db.ptr<T>(), 1, rows, out, 1.0);
@@ -252,6 +291,8 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   std::int64_t rows = 1;  // the product of x's leading dims
   for (int d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   Tensor y = Tensor::empty(yshape, x.dtype());
+  // Inside an autocast scope a float32 weight is used as its bf16 copy (cast once per scope).
+  const Tensor w_bf16 = detail::t_autocast && x.dtype() == DType::f32 && in > 0 ? detail::autocast_bf16(w) : Tensor();
   dispatch_float(op, x.dtype(), [&](auto z) {
     using T = decltype(z);
     T* Y = y.data<T>();
@@ -262,11 +303,19 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
         for (std::int64_t r = lo; r < hi; ++r) std::copy(bias, bias + out, Y + r * out);
       });
     }
-    if (in > 0) gemm<T>(false, true, rows, out, in, T(1), x.data<T>(), in, w.data<T>(), in, b.defined() ? T(1) : T(0), Y, out);
-    else if (!b.defined()) std::fill(Y, Y + rows * out, T(0));  // an empty sum
+    const T beta = b.defined() ? T(1) : T(0);
+    if (in == 0) {
+      if (!b.defined()) std::fill(Y, Y + rows * out, T(0));  // an empty sum
+      return;
+    }
+    if constexpr (std::is_same_v<T, float>)
+      if (w_bf16.defined())
+        return kernels::gemm_bf16(false, true, rows, out, in, 1.0f, x.data<float>(), in, bf16_data(w_bf16), in, beta, Y,
+                                  out);
+    gemm<T>(false, true, rows, out, in, T(1), x.data<T>(), in, w.data<T>(), in, beta, Y, out);
   });
   if (should_record({&x, &w, &b})) {
-    record(op, {&x, &w, &b}, {&y}, LinearSaved{x.detach(), w.detach()},
+    record(op, {&x, &w, &b}, {&y}, LinearSaved{x.detach(), w.detach(), w_bf16},
            [rows, in, out](Node& n, const LinearSaved& s) {  // writes dx, dw and db
              dispatch_float("linear", s.x.dtype(), [&](auto z) { linear_backward<decltype(z)>(n, s, rows, in, out); });
            });

@@ -17,7 +17,6 @@ using detail::opt_ptr;
 
 namespace {
 
-
 // A per-feature parameter (gain, bias, running statistic) must be undefined or (C,) of x's dtype.
 void check_param(const char* op, const char* what, const Tensor& p, const Tensor& x, std::int64_t C) {
   if (!p.defined()) return;
@@ -42,8 +41,10 @@ std::int64_t check_row_norm(const char* op, const Tensor& x, const Tensor& weigh
   return C;
 }
 
-// RMSNorm's kernels: the AVX2 variant for float32 rows it fits, on a CPU that has AVX2 (and not
-// capped below it by TAPEGRAD_ISA); the portable loops otherwise.
+// RMSNorm's kernels: the AVX2 variant where the build itself targets AVX2 + FMA (TG_RMS_AVX2,
+// defined by kernels/rms_avx2.h under -march=native, the TAPEGRAD_NATIVE option), the row fits it
+// (rms_avx2::fits: C and k multiples of 8) and kernels::isa() is at least avx2 (TAPEGRAD_ISA can
+// cap it); the portable loops otherwise.
 template <class T>
 void rms_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::int64_t rows, std::int64_t C, std::int64_t k,
                  double eps) {
@@ -116,7 +117,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, doubl
                using T = decltype(z);
                GradDest dx = n.write_grad(0);
                rms_backward(s.x.data<T>(), opt_ptr<T>(s.weight), s.rrms.data<T>(), n.grad_out().data<T>(),
-                                 dx.ptr<T>(), n.add_grad(1).ptr<T>(), n.add_grad(2).ptr<T>(), rows, C, k, dx.acc);
+                            dx.ptr<T>(), n.add_grad(1).ptr<T>(), n.add_grad(2).ptr<T>(), rows, C, k, dx.acc);
              });
            });
   }

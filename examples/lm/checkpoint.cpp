@@ -39,7 +39,8 @@ json config_to_json(const TrainConfig& c) {
               {"grad_clip", c.grad_clip},
               {"eval_interval", c.eval_interval},
               {"eval_iters", c.eval_iters},
-              {"seed", c.seed}};
+              {"seed", c.seed},
+              {"precision", c.precision}};
 }
 
 TrainConfig config_from_json(const json& j) {
@@ -68,6 +69,8 @@ TrainConfig config_from_json(const json& j) {
   c.eval_interval = j.at("eval_interval");
   c.eval_iters = j.at("eval_iters");
   c.seed = j.at("seed");
+  c.precision = j.value("precision", std::string("float32"));  // absent from checkpoints of float32-only versions
+  if (c.precision != "float32" && c.precision != "bf16") fail("resume", "unknown precision '", c.precision, "'");
   return c;
 }
 

@@ -57,6 +57,7 @@ std::uint64_t batch_seed(std::uint64_t seed) { return Generator::bits(seed, 0x5e
 double estimate_loss(nn::GPT& model, const std::vector<std::int32_t>& split, const TrainConfig& c) {
   Generator g(c.seed + 1);
   NoGradGuard ng;
+  AutocastGuard autocast(c.precision == "bf16");  // as the reference evaluates
   model.eval();
   double s = 0;
   Tensor x, y;
@@ -224,7 +225,11 @@ double Trainer::train_step() {
   double gnorm = 0;
   {
     DetectAnomalyGuard anomaly(cfg_.detect_anomaly);
-    loss = model_->loss(x_, y_);
+    {
+      AutocastGuard autocast(cfg_.precision == "bf16");  // the backward follows what the forward recorded
+      op_timing_mark();  // with op timing on (bench_train --profile), the forward starts here
+      loss = model_->loss(x_, y_);
+    }
     loss_ = loss.item();
     if (std::isfinite(loss_)) {
       opt_->zero_grad();

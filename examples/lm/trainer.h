@@ -53,6 +53,7 @@ struct TrainConfig {
   std::int64_t top_k = 40;
   bool progress = true;           // a live line on a terminal, log lines otherwise
   bool detect_anomaly = false;    // check every op's outputs and gradients for NaN/Inf (slow)
+  std::string precision = "float32";  // "bf16": forward and loss under tg::AutocastGuard
 };
 
 struct EvalPoint {

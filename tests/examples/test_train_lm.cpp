@@ -34,10 +34,12 @@ TEST_CASE("a run stopped at step 100 and resumed equals one run of 200 steps, bi
   const fs::path dir = scratch("resume");
   const std::string data = make_corpus(dir);
   lm::Corpus corpus = lm::load_corpus(data, 16);
-  for (auto kind : {nn::NormKind::rmsnorm, nn::NormKind::batchnorm}) {
-    INFO(nn::to_string(kind));
+  for (auto [kind, precision] : {std::pair{nn::NormKind::rmsnorm, "float32"}, std::pair{nn::NormKind::batchnorm, "float32"},
+                                 std::pair{nn::NormKind::rmsnorm, "bf16"}}) {
+    INFO(nn::to_string(kind) << ' ' << precision);
     lm::TrainConfig c = tiny(data);
     c.model.norm = kind;
+    c.precision = precision;
     c.out = (dir / "straight").string();
     lm::RunResult straight = lm::train(c, corpus);
 
@@ -48,6 +50,7 @@ TEST_CASE("a run stopped at step 100 and resumed equals one run of 200 steps, bi
     lm::RunResult a = lm::train(first, corpus);
     lm::TrainConfig second = lm::read_checkpoint_config(first.out);
     CHECK(second.steps == 100);
+    CHECK(second.precision == precision);  // a resumed run keeps its precision
     second.steps = 200;
     second.out = first.out;
     second.progress = false;

@@ -102,8 +102,7 @@ TEST_CASE("float32 RMSNorm agrees with float64 on every row path: vector rows, s
   // Float32 rows whose width C and statistic length k are multiples of 8 take the AVX2 variant on a
   // CPU with AVX2 (kernels/rms_avx2.h: float sums in chunks of 32, outputs of 16 MiB and more
   // streamed past the caches); other widths, other builds and TAPEGRAD_ISA=portable the portable
-  // loops, and the test runs at both levels. Either
-  // way the float32 result must be the float64 one to float32 accuracy: output, dx (written, or
+  // loops; the test runs at both levels. Either way the float32 result must be the float64 one to float32 accuracy: output, dx (written, or
   // added to a gradient another path wrote first), dg and db.
   const int before = get_num_threads();
   set_num_threads(2);
@@ -111,7 +110,7 @@ TEST_CASE("float32 RMSNorm agrees with float64 on every row path: vector rows, s
     std::int64_t rows, C;
     double p;
     bool gain, bias, acc, dx;
-    bool vec;  // the AVX2 path (C and k multiples of 8)
+    bool vec;  // the shape qualifies for the AVX2 variant (C and k multiples of 8; taken at the avx2 level)
   };
   const std::vector<Case> cases = {
       {64, 768, 1.0, true, false, false, true, true},    {64, 768, 0.0625, true, true, false, true, true},  // k = 48
@@ -120,54 +119,54 @@ TEST_CASE("float32 RMSNorm agrees with float64 on every row path: vector rows, s
       {300, 128, 1.0, true, true, false, false, true},   {7, 24, 0.5, true, false, true, true, false},      // no dx; k = 12
       {8192, 512, 1.0, true, false, false, true, true},  {8192, 512, 1.0, true, true, true, true, true}};  // 16 MiB: streamed
   each_isa({kernels::Isa::portable, kernels::Isa::avx2}, [&](kernels::Isa) {
-  std::uint64_t seed = 900;
-  for (const Case& c : cases) {
-    INFO("rows " << c.rows << " C " << c.C << " p " << c.p << " gain " << c.gain << " bias " << c.bias << " acc "
-                 << c.acc << " dx " << c.dx);
-    Tensor x64 = param64({c.rows, c.C}, seed++, 1.5, 0.2).detach();
-    Tensor g64 = c.gain ? param64({c.C}, seed++, 0.5, 1.0).detach() : Tensor();
-    Tensor b64 = c.bias ? param64({c.C}, seed++).detach() : Tensor();
-    Generator gen(seed++);
-    const Tensor dy64 = randn({c.rows, c.C}, float64, &gen);
-    const Tensor other = randn({c.rows, c.C}, float64, &gen);
-    struct Out {
-      Tensor y, x, g, b;
-      bool streamable = false;  // the float32 output qualified for non-temporal stores
-    };
-    auto run = [&](DType dt) {
-      Tensor x = x64.clone().to(dt).requires_grad_(c.dx);
-      Tensor g = c.gain ? g64.to(dt).requires_grad_() : Tensor();
-      Tensor b = c.bias ? b64.to(dt).requires_grad_() : Tensor();
-      Tensor y = rms_norm(x, g, b, 1e-5, c.p);
-      Tensor loss = sum(mul(y, dy64.to(dt)));
-      // recorded after the norm, so its backward runs first and the norm's dx is added to it
-      if (c.acc && c.dx) loss = add(loss, sum(mul(x, other.to(dt))));
-      loss.backward();
-      bool streamable = false;
-#ifdef TG_RMS_AVX2
-      if (dt == float32) streamable = kernels::rms_avx2::streamable(y.data<float>(), y.numel() * 4);
-#endif
-      return Out{y.detach().to(float64), c.dx ? x.grad().to(float64) : Tensor(),
-                 c.gain ? g.grad().to(float64) : Tensor(), c.bias ? b.grad().to(float64) : Tensor(), streamable};
-    };
-    const Out r64 = run(float64), r32 = run(float32);
-#ifdef TG_RMS_AVX2
-    // The cases take the path their comments say (a changed condition would quietly move them all
-    // to the portable loops, which would still pass the comparisons below).
-    CHECK(kernels::rms_avx2::fits(c.C, prms_k(c.C, c.p)) == c.vec);
-    // 16 MiB as a literal, not the kernel's constant: if the threshold moves, the streamed cases
-    // stop streaming and this fails, instead of the test silently losing them.
-    CHECK(r32.streamable == (c.rows * c.C * 4 >= (std::int64_t{16} << 20)));
-#endif
-    auto rel = [](const Tensor& a, const Tensor& ref) { return max_abs_diff(a, ref) / max(abs(ref)).item(); };
-    CHECK(rel(r32.y, r64.y) <= 1e-6);
-    if (c.dx) {
-      CHECK(rel(r32.x, r64.x) <= 1e-5);
-      if (c.acc) CHECK(max_abs_diff(r64.x, other) > 0.1);  // the norm's part is in there too
+    std::uint64_t seed = 900;
+    for (const Case& c : cases) {
+      INFO("rows " << c.rows << " C " << c.C << " p " << c.p << " gain " << c.gain << " bias " << c.bias << " acc "
+                   << c.acc << " dx " << c.dx);
+      Tensor x64 = param64({c.rows, c.C}, seed++, 1.5, 0.2).detach();
+      Tensor g64 = c.gain ? param64({c.C}, seed++, 0.5, 1.0).detach() : Tensor();
+      Tensor b64 = c.bias ? param64({c.C}, seed++).detach() : Tensor();
+      Generator gen(seed++);
+      const Tensor dy64 = randn({c.rows, c.C}, float64, &gen);
+      const Tensor other = randn({c.rows, c.C}, float64, &gen);
+      struct Out {
+        Tensor y, x, g, b;
+        bool streamable = false;  // the float32 output qualified for non-temporal stores
+      };
+      auto run = [&](DType dt) {
+        Tensor x = x64.clone().to(dt).requires_grad_(c.dx);
+        Tensor g = c.gain ? g64.to(dt).requires_grad_() : Tensor();
+        Tensor b = c.bias ? b64.to(dt).requires_grad_() : Tensor();
+        Tensor y = rms_norm(x, g, b, 1e-5, c.p);
+        Tensor loss = sum(mul(y, dy64.to(dt)));
+        // recorded after the norm, so its backward runs first and the norm's dx is added to it
+        if (c.acc && c.dx) loss = add(loss, sum(mul(x, other.to(dt))));
+        loss.backward();
+        bool streamable = false;
+  #ifdef TG_RMS_AVX2
+        if (dt == float32) streamable = kernels::rms_avx2::streamable(y.data<float>(), y.numel() * 4);
+  #endif
+        return Out{y.detach().to(float64), c.dx ? x.grad().to(float64) : Tensor(),
+                   c.gain ? g.grad().to(float64) : Tensor(), c.bias ? b.grad().to(float64) : Tensor(), streamable};
+      };
+      const Out r64 = run(float64), r32 = run(float32);
+  #ifdef TG_RMS_AVX2
+      // The shapes meet the conditions their comments say (a changed condition would quietly move
+      // them all to the portable loops at the avx2 level, which would still pass the comparisons).
+      CHECK(kernels::rms_avx2::fits(c.C, prms_k(c.C, c.p)) == c.vec);
+      // 16 MiB as a literal, not the kernel's constant: if the threshold moves, the streamed cases
+      // stop streaming and this fails, instead of the test silently losing them.
+      CHECK(r32.streamable == (c.rows * c.C * 4 >= (std::int64_t{16} << 20)));
+  #endif
+      auto rel = [](const Tensor& a, const Tensor& ref) { return max_abs_diff(a, ref) / max(abs(ref)).item(); };
+      CHECK(rel(r32.y, r64.y) <= 1e-6);
+      if (c.dx) {
+        CHECK(rel(r32.x, r64.x) <= 1e-5);
+        if (c.acc) CHECK(max_abs_diff(r64.x, other) > 0.1);  // the norm's part is in there too
+      }
+      if (c.gain) CHECK(rel(r32.g, r64.g) <= 2e-6);
+      if (c.bias) CHECK(rel(r32.b, r64.b) <= 2e-6);
     }
-    if (c.gain) CHECK(rel(r32.g, r64.g) <= 2e-6);
-    if (c.bias) CHECK(rel(r32.b, r64.b) <= 2e-6);
-  }
   });
   set_num_threads(before);
 }

@@ -44,9 +44,9 @@ class Tape {
   // differentiated through.
   void clear();
 
-  // The sweep's triggers: a node count that doubles (the first at kFirstSweep, about 30 MB of the
-  // tape's own records), and kSweepBytes of tensors saved by live nodes (an evaluation loop without
-  // NoGradGuard saves 28 MB per forward of the default GPT).
+  // The sweep's triggers: a node count that doubles (the first at kFirstSweep), and kSweepBytes of
+  // tensors saved by live nodes (a node count alone does not bound memory: one node can save
+  // megabytes, as a forward pass made for evaluation without a NoGradGuard does).
   static constexpr std::size_t kFirstSweep = std::size_t(1) << 17;
   static constexpr std::size_t kSweepBytes = std::size_t(256) << 20;
 
@@ -107,5 +107,20 @@ class DetectAnomalyGuard {
  private:
   bool prev_;
 };
+
+// ---- op timing, for benchmarks ----
+// When on (for this thread), the tape times every recorded op: its forward as the time from the
+// previous record (or from op_timing_mark()) to its own, which covers the op's checks, its output's
+// allocation and its kernel; its backward as the time of its backward step. op_times() sums them
+// by op name, largest total first. Costs a clock read per op; off by default.
+struct OpTime {
+  std::string op;
+  double forward_s = 0, backward_s = 0;
+  std::int64_t calls = 0;
+};
+void set_op_timing(bool on);
+void op_timing_mark();  // the next op's forward starts now (call before a forward pass)
+std::vector<OpTime> op_times();
+void reset_op_times();
 
 }  // namespace tg

@@ -62,9 +62,10 @@ struct Node {
   // ---- what a backward closure uses ----
   // dL/d(output j): the gradient that flowed into output j (undefined if none reached it).
   const Tensor& grad_out(std::size_t j = 0) const { return outputs()[j]->grad.get(); }
-  // Input i's gradient for a kernel that writes every element of it. The first gradient to reach
-  // an input in a backward pass is assigned into a fresh buffer (acc = false: no zero fill, no read
-  // of zeros); later ones, and an input passed twice (x * x), add (acc = true).
+  // Input i's gradient for a kernel that writes every element of it. When input i has no gradient
+  // yet: a fresh, uninitialised buffer and acc = false (assign every element: no zero fill, no read
+  // of zeros). When it has one (another consumer ran first, or a leaf kept one from an earlier
+  // backward), or the input is passed twice (x * x): acc = true (add).
   GradDest write_grad(std::size_t i) const;
   // The same for an elementwise kernel that reads dy[k] before writing dx[k]: when output j's
   // gradient is held by nothing else, that buffer becomes input i's gradient and is overwritten
@@ -136,8 +137,11 @@ namespace detail {
 Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in, Tensor* const* outputs,
                   std::size_t n_out, const Tensor* saved, std::size_t n_saved, std::size_t closure_bytes,
                   std::size_t closure_align);
-// Frees the node just recorded (its closure failed to copy) and rethrows; anomaly mode's check.
+// Frees the node just recorded (its closure failed to copy) and rethrows.
 [[noreturn]] void drop_last_node_and_rethrow();
+// After a node is recorded, when anomaly mode or op timing is on (t_record_hook): anomaly mode's
+// check of its outputs, and op timing.
+extern thread_local constinit bool t_record_hook;
 void after_record(Node& node, const Tensor* const* outputs, std::size_t n_out, const Tensor* const* inputs,
                   std::size_t n_in);
 
@@ -166,7 +170,7 @@ Node& record_with(const char* op, const Tensor* const* in, std::size_t n_in, Ten
     drop_last_node_and_rethrow();
   }
   node.ops_ = &kClosureOps<Fn, S>;
-  after_record(node, out, n_out, in, n_in);
+  if (t_record_hook) after_record(node, out, n_out, in, n_in);
   return node;
 }
 }  // namespace detail
@@ -189,7 +193,7 @@ Node& record(const char* op, std::initializer_list<const Tensor*> inputs, std::i
   return detail::record_with<void>(op, inputs.begin(), inputs.size(), outputs.begin(), outputs.size(), nullptr, 0,
                                    std::forward<F>(backward));
 }
-// Any number of inputs (cat, stack): the same two forms over a vector.
+// Any number of inputs (cat): the same two forms over a vector.
 template <class Saved, class F>
 Node& record(const char* op, const std::vector<const Tensor*>& inputs, std::initializer_list<Tensor*> outputs,
              const Saved& saved, F&& backward) {

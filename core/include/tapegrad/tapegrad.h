@@ -1,6 +1,7 @@
 #pragma once
 // Everything, for users of the umbrella target tapegrad::tapegrad: #include <tapegrad/tapegrad.h>
 // (the libraries' own sources include only what they use).
+#include "tapegrad/autocast.h"
 #include "tapegrad/autograd.h"
 #include "tapegrad/dtype.h"
 #include "tapegrad/error.h"

@@ -1,0 +1,61 @@
+// The autocast scope: its switch and the cache of parameters cast to bfloat16.
+#include "tapegrad/autocast.h"
+
+#include <unordered_map>
+
+#include "autocast_cache.h"
+#include "kernels/bf16.h"
+
+namespace tg {
+
+namespace detail {
+
+thread_local constinit bool t_autocast = false;
+
+namespace {
+// The parameters cast in the current outermost scope, by the address of their data. The cache
+// holds a reference to each parameter's storage, so the address cannot be reused for another
+// tensor while its entry lives.
+struct CastCache {
+  struct Entry {
+    Tensor source, cast;
+  };
+  std::unordered_map<const void*, Entry> entries;
+  int depth = 0;
+};
+thread_local CastCache t_cache;
+
+Tensor cast_to_bf16(const Tensor& w) {
+  Tensor h = Tensor::empty(w.shape(), DType::bf16);
+  kernels::to_bf16(w.data<float>(), static_cast<kernels::bf16*>(h.raw_data()), w.numel());
+  return h;
+}
+}  // namespace
+
+Tensor autocast_bf16(const Tensor& w) {
+  const bool parameter = t_cache.depth > 0 && w.requires_grad() && w.meta()->node < 0;
+  if (!parameter) return cast_to_bf16(w);
+  auto it = t_cache.entries.find(w.raw_data());
+  if (it != t_cache.entries.end() && it->second.source.shape() == w.shape()) return it->second.cast;
+  Tensor h = cast_to_bf16(w);
+  t_cache.entries[w.raw_data()] = CastCache::Entry{w.detach(), h};
+  return h;
+}
+
+std::size_t autocast_cache_size() { return t_cache.entries.size(); }
+
+}  // namespace detail
+
+AutocastGuard::AutocastGuard(bool enabled) : prev_(detail::t_autocast) {
+  detail::t_autocast = enabled;
+  ++detail::t_cache.depth;
+}
+
+AutocastGuard::~AutocastGuard() {
+  detail::t_autocast = prev_;
+  if (--detail::t_cache.depth == 0) detail::t_cache.entries.clear();
+}
+
+bool is_autocast_enabled() { return detail::t_autocast; }
+
+}  // namespace tg

@@ -1,0 +1,38 @@
+#pragma once
+// bfloat16 mixed precision, as PyTorch's torch.autocast("cpu", dtype=torch.bfloat16).
+//
+// Inside an AutocastGuard, the float32 matrix products of matmul and linear take bfloat16
+// operands (each float32 value rounded to the nearest bfloat16, ties to even) and accumulate in
+// float32 (the AVX512_BF16 instruction vdpbf16ps, or an emulation that gives the same bits on other
+// CPUs, much more slowly). Their results are float32, and so is everything else: the norms,
+// softmax, cross-entropy, the residual stream, the gradients, the master weights and the
+// optimizer's state. The backward of a product recorded inside the scope is a bf16 product too,
+// wherever backward() is called.
+//
+// Weights are cast once per scope: a leaf tensor that requires grad (a parameter) is rounded to
+// bf16 at its first use inside the outermost guard and the copy is reused until that guard ends,
+// as PyTorch's autocast weight cache does; so update parameters outside the scope (the optimizer
+// step after it). Activations are rounded while the product packs them, with no pass of their own.
+//
+// Differences from PyTorch: the products' outputs are float32 (PyTorch returns bfloat16 tensors
+// and casts them back at the next float32 op: the same values once rounded, but tapegrad keeps the
+// float32 sum unrounded), and the causal attention's per-head products stay float32.
+namespace tg {
+
+// AutocastGuard() turns bf16 products on for its scope, AutocastGuard(false) off (PyTorch's
+// autocast(enabled=False)); guards nest, per thread, and each restores the state it found.
+class AutocastGuard {
+ public:
+  explicit AutocastGuard(bool enabled = true);
+  ~AutocastGuard();
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  bool prev_;
+};
+
+// Whether products on this thread run in bf16 now (PyTorch's torch.is_autocast_cpu_enabled()).
+bool is_autocast_enabled();
+
+}  // namespace tg
