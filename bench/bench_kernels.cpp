@@ -25,6 +25,10 @@
 //                                instruction set (kernels::set_isa: avx2, avx512, where the CPU has
 //                                them). FLOPS is 2 * M * N * K per second; divide by the cores' FMA
 //                                peak (AVX-512: 2 pipes x 16 floats x 2 flops x clock) for the fraction.
+//                                bf16 is the same products through kernels::gemm_bf16 (float32 operands
+//                                rounded while packed, float32 sums), where the CPU has AVX512_BF16.
+//   peak/<kind>                  the team's multiply-add peak: fma_avx2, fma_avx512, dpbf16 (peak.cpp);
+//                                scripts/bench prints each gemm_isa product as a fraction of its peak.
 //   tape/chain/<n>               a chain of n small recorded ops (x = x * 1.0001 + 0.0001 on 4 elements,
 //                                2 ops per step, then sum + backward), as torch_kernels.py's tape_case;
 //                                ns_per_op = wall time of forward + backward / n.
@@ -58,6 +62,8 @@
 
 #include "kernels/gemm.h"
 #include "kernels/isa.h"
+#include "kernels/sgemm_bf16.h"
+#include "peak.h"
 #include "tapegrad/autograd.h"
 #include "tapegrad/ops.h"
 #include "tapegrad/random.h"
@@ -242,14 +248,26 @@ void bm_gemm_isa(benchmark::State& state, ProductCase c, tg::kernels::Isa level)
   const tg::kernels::Isa before = tg::kernels::isa();
   tg::kernels::set_isa(level);
   for (auto _ : state) {
-    tg::kernels::gemm<float>(c.ta, c.tb, c.M, c.N, c.K, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1),
+    if (level == tg::kernels::Isa::avx512_bf16)
+      tg::kernels::gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1),
                              0.0f, out.data(), c.N);
+    else
+      tg::kernels::gemm<float>(c.ta, c.tb, c.M, c.N, c.K, 1.0f, a.data<float>(), a.size(1), b.data<float>(),
+                               b.size(1), 0.0f, out.data(), c.N);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
   tg::kernels::set_isa(before);
   state.counters["FLOPS"] =
       benchmark::Counter(2.0 * static_cast<double>(c.M * c.N * c.K), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The team's multiply-add peak for one instruction (peak.cpp).
+void bm_peak(benchmark::State& state, bench::PeakKind k) {
+  constexpr long kIters = 1 << 20;
+  for (auto _ : state) benchmark::DoNotOptimize(bench::run_peak(k, kIters));
+  state.counters["FLOPS"] = benchmark::Counter(bench::peak_flops_per_iteration(k) * kIters * tg::get_num_threads(),
+                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // The weight products of one training step of bench_train's GPT: per layer the Linears qkv, proj,
@@ -355,10 +373,11 @@ int parse_threads(const char* s) {
   return static_cast<int>(v);
 }
 
-}  // namespace
 
-int main(int argc, char** argv) {
-  // Our own flag first (--threads=N or --threads N), removed before Google Benchmark sees argv.
+// Our own flag first (--threads=N or --threads N), removed from argv before Google Benchmark sees
+// it, then Google Benchmark's defaults that the command line may override: 5 repetitions,
+// aggregates only. Sets the thread count; returns the arguments for benchmark::Initialize.
+std::vector<char*> parse_args(int argc, char** argv) {
   int threads = 0;
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
@@ -376,19 +395,16 @@ int main(int argc, char** argv) {
   }
   if (threads == 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   tg::set_num_threads(threads);
-
-  // Defaults that the command line may override: 5 repetitions, aggregates only.
   static char reps[] = "--benchmark_repetitions=5";
   static char aggr[] = "--benchmark_report_aggregates_only=true";
   if (!has_flag(argc, argv, "--benchmark_repetitions")) args.insert(args.begin() + 1, reps);
   if (!has_flag(argc, argv, "--benchmark_report_aggregates_only") &&
       !has_flag(argc, argv, "--benchmark_display_aggregates_only"))
     args.insert(args.begin() + 1, aggr);
-  int n = static_cast<int>(args.size());
-  args.push_back(nullptr);
+  return args;
+}
 
-  benchmark::AddCustomContext("tapegrad_threads", std::to_string(tg::get_num_threads()));
-
+void register_norms() {
   const std::pair<i64, i64> norm_shapes[] = {{768, 128}, {8192, 768}, {4096, 4096}};
   for (auto [rows, C] : norm_shapes) {
     const std::string s = shape_str(rows, C);
@@ -400,8 +416,10 @@ int main(int argc, char** argv) {
       benchmark::RegisterBenchmark(("norm/" + std::string(norm_name(k)) + "/" + s).c_str(), bm_norm, k, rows, C)
           ->UseRealTime()->Unit(benchmark::kMicrosecond);
   }
+}
 
-  // The GPT of bench_train (n_embd 128, n_head 4, block 64, batch 12, vocab 65): B*T = 768 rows.
+// The GPT of bench_train (n_embd 128, n_head 4, block 64, batch 12, vocab 65): B*T = 768 rows.
+void register_matmuls() {
   const MatmulCase mm[] = {
       {"qkv", 0, 768, 384, 128, true},      // x (768,128) W^T, W (384,128)
       {"proj", 0, 768, 128, 128, true},     // (768,128) W^T, W (128,128)
@@ -420,8 +438,11 @@ int main(int argc, char** argv) {
       benchmark::RegisterBenchmark(("matmul/" + std::string(c.name) + "/" + s + "/" + iname).c_str(), bm_matmul, c, impl)
           ->UseRealTime()->Unit(benchmark::kMicrosecond);
   }
+}
 
-  // The medium GPT (n_embd 384, batch 16 x block 128 = 2048 rows): each Linear's three products.
+// The medium GPT (n_embd 384, batch 16 x block 128 = 2048 rows): each Linear's three products,
+// through each instruction set's product; and the peaks they are measured against.
+void register_medium_products() {
   const ProductCase medium[] = {
       {"qkv_fwd", false, true, 2048, 1152, 384},   {"qkv_dx", false, false, 2048, 384, 1152},
       {"qkv_dw", true, false, 1152, 384, 2048},    {"proj_fwd", false, true, 2048, 384, 384},
@@ -430,17 +451,35 @@ int main(int argc, char** argv) {
       {"fc_dw", true, false, 1536, 384, 2048},     {"fc_out_fwd", false, true, 2048, 384, 1536},
       {"fc_out_dx", false, false, 2048, 1536, 384}, {"fc_out_dw", true, false, 384, 1536, 2048},
   };
-  for (tg::kernels::Isa level : {tg::kernels::Isa::avx2, tg::kernels::Isa::avx512})
+  using tg::kernels::Isa;
+  for (Isa level : {Isa::avx2, Isa::avx512, Isa::avx512_bf16})
     if (tg::kernels::cpu_supports(level))
       for (const ProductCase& c : medium)
         benchmark::RegisterBenchmark(
             ("gemm_isa/" + std::string(c.name) + "/" + tg::kernels::isa_name(level)).c_str(), bm_gemm_isa, c, level)
             ->UseRealTime()->MinTime(0.1)->Unit(benchmark::kMicrosecond);
+  const std::pair<bench::PeakKind, Isa> peaks[] = {{bench::PeakKind::fma_avx2, Isa::avx2},
+                                                   {bench::PeakKind::fma_avx512, Isa::avx512},
+                                                   {bench::PeakKind::dpbf16, Isa::avx512_bf16}};
+  const char* names[] = {"peak/fma_avx2", "peak/fma_avx512", "peak/dpbf16"};
+  for (int i = 0; i < 3; ++i)
+    if (tg::kernels::cpu_supports(peaks[i].second))
+      benchmark::RegisterBenchmark(names[i], bm_peak, peaks[i].first)->UseRealTime()->Unit(benchmark::kMicrosecond);
+}
 
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<char*> args = parse_args(argc, argv);
+  int n = static_cast<int>(args.size());
+  args.push_back(nullptr);
+  benchmark::AddCustomContext("tapegrad_threads", std::to_string(tg::get_num_threads()));
+  register_norms();
+  register_matmuls();
+  register_medium_products();
   benchmark::RegisterBenchmark("step_products/gpt/tg", bm_step_products, false)->UseRealTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("step_products/gpt/cblas", bm_step_products, true)->UseRealTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("tape/chain/100000", bm_tape, i64{100000})->UseRealTime()->Unit(benchmark::kMillisecond);
-
   benchmark::Initialize(&n, args.data());
   if (benchmark::ReportUnrecognizedArguments(n, args.data())) return 1;
   benchmark::RunSpecifiedBenchmarks();

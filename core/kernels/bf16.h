@@ -1,7 +1,7 @@
 #pragma once
 // bfloat16: the upper half of a float32 (1 sign bit, 8 exponent bits, 7 fraction bits), so the
-// float32 range at 8 significant bits. Internal: the storage of products' operands inside an
-// autocast scope (sgemm_bf16.h), never a tensor dtype of its own.
+// float32 range at 8 significant bits. The storage of products' operands inside an autocast scope
+// (sgemm_bf16.h) and of tensors of dtype bfloat16 (a storage dtype: no arithmetic of its own).
 //
 // float -> bf16 rounds to nearest, ties to even, by integer addition on the bits (the rounding of
 // PyTorch's c10::BFloat16, round_to_nearest_even):

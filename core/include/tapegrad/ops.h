@@ -139,7 +139,7 @@ Tensor cat(const std::vector<Tensor>& xs, int dim = 0);
 // Pieces of split_size along dim (the last may be smaller), or of the given sizes.
 std::vector<Tensor> split(const Tensor& x, std::int64_t split_size, int dim = 0);
 std::vector<Tensor> split(const Tensor& x, const std::vector<std::int64_t>& sizes, int dim = 0);
-Tensor to(const Tensor& x, DType dtype);  // differentiable between float32 and float64
+Tensor to(const Tensor& x, DType dtype);  // differentiable between float32, float64 and bfloat16
 Tensor clone(const Tensor& x);  // a copy of the data (same dtype); differentiable
 
 }  // namespace tg
