@@ -158,9 +158,7 @@ void gemm_tri(Tri tri, bool ta, bool tb, std::int64_t M, std::int64_t N, std::in
 // two threads each gets an equal share without cutting a product: no operand is packed twice
 // (each thread of a split product packs the whole shared operand) and one barrier serves both.
 // (With two threads and unequal products the larger one sets the time: meant for equal pairs.)
-// Measured in the training benchmark, the two ways alternating step by step within a run: 1.2%
-// less time per step (the paired steps' median over the others' 0.979-1.003 in six runs, against
-// 0.993-1.010 for a control that alternated nothing). float32 on AVX2 and AVX-512 CPUs: the same
+// (docs/performance.md has the measurement.) float32 on AVX2 and AVX-512 CPUs: the same
 // start, then a thread that finishes its product takes what is left of the other's
 // (sgemm_driver.h's sgemm_pair_parallel), so unequal pairs work too.
 template <class T>
