@@ -279,7 +279,7 @@ TEST_CASE("the AVX2 and AVX-512 products give the same bits") {
   set_num_threads(before);
 }
 
-TEST_CASE("TAPEGRAD_ISA names an instruction set; an unknown name or one the CPU lacks is refused") {
+TEST_CASE("TAPEGRAD_ISA names an instruction set, and an unknown name or one the CPU lacks is refused") {
   using kernels::Isa;
   CHECK(kernels::parse_isa(nullptr) == kernels::best_isa());
   CHECK(kernels::parse_isa("") == kernels::best_isa());
