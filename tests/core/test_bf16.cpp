@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "float_bits.h"
 #include "kernels/bf16.h"
 #include "kernels/isa.h"
 #include "kernels/sgemm_bf16.h"
@@ -21,16 +22,8 @@ using i64 = std::int64_t;
 
 namespace {
 
-float from_bits(std::uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-std::uint32_t bits_of(float x) {
-  std::uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
+using tgtest::bits_of;
+using tgtest::from_bits;
 
 // The rounding by its definition rather than by bit tricks: of the two bf16 on either side of x
 // (x truncated, and the next one away from zero), the nearer, the one with an even last bit on a

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "float_bits.h"
 #include "helpers.h"
 #include "kernels/bf16.h"
 
@@ -23,16 +24,8 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-float from_bits(std::uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-std::uint32_t bits_of(float x) {
-  std::uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
+using tgtest::bits_of;
+using tgtest::from_bits;
 // The stored bits of a bfloat16 tensor.
 std::vector<std::uint16_t> bf16_bits(const Tensor& t) {
   REQUIRE(t.dtype() == bfloat16);
