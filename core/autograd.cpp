@@ -452,7 +452,9 @@ void set_op_timing(bool on) {
   detail::t_record_hook = t_anomaly || detail::t_timing;
   detail::t_mark = detail::Clock::now();
 }
-void op_timing_mark() { detail::t_mark = detail::Clock::now(); }
+void op_timing_mark() {
+  if (detail::t_timing) detail::t_mark = detail::Clock::now();
+}
 void reset_op_times() { detail::t_times.clear(); }
 std::vector<OpTime> op_times() {
   std::unordered_map<std::string, OpTime> by_name;  // one op name may sit at several addresses

@@ -16,6 +16,10 @@
 // per-thread partial sums gives the same bits on every run with the same thread count.
 #include <omp.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -97,6 +101,49 @@ template <class A, class T>
 inline void put(T& d, T v) {
   if constexpr (A::value) d += v;
   else d = v;
+}
+
+// ---- two products on one team ----
+// Two independent products (a Linear's dx = dy w and dw = dy^T x) made by the float32 drivers
+// (sgemm_driver.h) and the bf16 product (sgemm_bf16.cpp) alike. The team is cut in two in
+// proportion to their work wp and wq (with two threads: one product each); each part packs its own
+// product's op(B) and takes its items; a thread whose product has no items left then takes the
+// other's, once that product's B is packed (a counter of packed units says so). Each thread so
+// works from its own L2 for most of the call, and neither waits for the other at the end.
+// (Both products' items from one counter, every thread packing both, is slower: each thread then
+// reads the other's packed B from L3.) Plan has units(), pack(u), items and item(i, a), a being
+// a_buffer(): the calling thread's packing buffer for A, or null (that thread then takes no items).
+template <class Plan, class ABuffer>
+void run_pair_on_team(Plan (&plan)[2], double wp, double wq, int team, ABuffer&& a_buffer) {
+  const int np = std::clamp(static_cast<int>(std::lround(team * wp / (wp + wq))), 1, team - 1);
+  std::atomic<std::int64_t> next[2] = {0, 0}, packed[2] = {0, 0};
+#pragma omp parallel num_threads(team)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    // Thread t's own product and its rank in that product's part of the team. With a team of
+    // one (the runtime gave fewer threads than asked) the thread packs both.
+    const int split = std::min(np, nt - 1);
+    const int own = nt < 2 || t < split ? 0 : 1;
+    for (int j = 0; j < 2; ++j) {
+      if (nt >= 2 && j != own) continue;
+      const int rank = nt < 2 ? 0 : (j == 0 ? t : t - split), size = nt < 2 ? 1 : (j == 0 ? split : nt - split);
+      for (std::int64_t u = rank; u < plan[j].units(); u += size) {
+        plan[j].pack(u);
+        packed[j].fetch_add(1, std::memory_order_release);
+      }
+    }
+    auto* Ap = a_buffer();
+    for (int k = 0; Ap && k < 2; ++k) {
+      const int j = k == 0 ? own : 1 - own;
+      if (next[j].load(std::memory_order_relaxed) >= plan[j].items) continue;
+      while (packed[j].load(std::memory_order_acquire) < plan[j].units()) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();  // the spin-wait hint
+#endif
+      }
+      for (std::int64_t i; (i = next[j].fetch_add(1, std::memory_order_relaxed)) < plan[j].items;) plan[j].item(i, Ap);
+    }
+  }
 }
 
 }  // namespace tg::kernels

@@ -388,12 +388,6 @@ struct Plan {
   }
 };
 
-inline void pause() {
-#ifdef TG_BF16_X86
-  _mm_pause();
-#endif
-}
-
 bool native_path() {
 #ifdef TG_BF16_X86
   return isa() >= Isa::avx512_bf16;
@@ -451,8 +445,7 @@ void gemm_bf16(const GemmBf16& g) {
   else single(g, native);
 }
 
-// With two threads or more: the team cut in two, each part packing its own product's B and taking
-// its items, then, its own product done, the other's (once that one's B is packed).
+// With two threads or more: side by side on the team (kernels::run_pair_on_team, parallel.h).
 void gemm_bf16_pair(const GemmBf16& p, const GemmBf16& q) {
   const int team = omp_get_max_threads();
   if (team < 2 || omp_in_parallel() || !split_worth(p) || !split_worth(q)) {
@@ -473,32 +466,8 @@ void gemm_bf16_pair(const GemmBf16& p, const GemmBf16& q) {
   if (!Bp || !tl_a.get(a_bytes)) throw std::bad_alloc();
   plan[0].Bp = Bp;
   plan[1].Bp = Bp + plan[0].b_bytes() / 4;
-  const double wp = static_cast<double>(p.M * p.N * p.K), wq = static_cast<double>(q.M * q.N * q.K);
-  const int np = std::clamp(static_cast<int>(std::lround(team * wp / (wp + wq))), 1, team - 1);
-  std::atomic<i64> next[2] = {0, 0}, packed[2] = {0, 0};
-#pragma omp parallel num_threads(team)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    // Thread t's own product and its rank in that product's part of the team; a team of one (the
-    // runtime gave fewer threads than asked) packs both.
-    const int split = std::min(np, nt - 1);
-    const int own = nt < 2 || t < split ? 0 : 1;
-    for (int j = 0; j < 2; ++j) {
-      if (nt >= 2 && j != own) continue;
-      const int rank = nt < 2 ? 0 : (j == 0 ? t : t - split), size = nt < 2 ? 1 : (j == 0 ? split : nt - split);
-      for (i64 u = rank; u < plan[j].units(); u += size) {
-        plan[j].pack(u);
-        packed[j].fetch_add(1, std::memory_order_release);
-      }
-    }
-    void* Ap = tl_a.get(a_bytes);  // a thread without one takes no items
-    for (int k = 0; Ap && k < 2; ++k) {
-      const int j = k == 0 ? own : 1 - own;
-      if (next[j].load(std::memory_order_relaxed) >= plan[j].items) continue;
-      while (packed[j].load(std::memory_order_acquire) < plan[j].units()) pause();
-      for (i64 i; (i = next[j].fetch_add(1, std::memory_order_relaxed)) < plan[j].items;) plan[j].item(i, Ap);
-    }
-  }
+  run_pair_on_team(plan, static_cast<double>(p.M * p.N * p.K), static_cast<double>(q.M * q.N * q.K), team,
+                   [&] { return tl_a.get(a_bytes); });
 }
 
 void gemm_bf16_naive(const GemmBf16& g) {

@@ -35,6 +35,7 @@
 #include <new>
 
 #include "kernels/gemm.h"
+#include "kernels/parallel.h"
 
 #ifndef TG_SGEMM_TARGET
 #error "define TG_SGEMM_TARGET before including sgemm_driver.h"
@@ -339,13 +340,7 @@ struct Driver {
     }
   }
 
-  // Two independent products (a Linear's dx = dy w and dw = dy^T x). The team is cut in two in
-  // proportion to their work (with two threads: one product each), each part packs its own
-  // product's op(B) and takes its items; a thread whose product has no items left then takes the
-  // other's, once that product's B is packed (a counter of packed units says so). Each thread so
-  // works from its own L2 for most of the call, and neither waits for the other at the end.
-  // (Both products' items from one counter, every thread packing both, is slower: each thread then
-  // reads the other's packed B from L3.)
+  // Two independent products, side by side on the team (kernels::run_pair_on_team, parallel.h).
   static void sgemm_pair_parallel(const Gemm<float>& p, const Gemm<float>& q) {
     const bool lp = !no_product(p), lq = !no_product(q);
     if (!lp || !lq) {
@@ -365,32 +360,8 @@ struct Driver {
     if (!Bp || !tl_a.get(a_floats)) throw std::bad_alloc();
     plan[0].Bp = Bp;
     plan[1].Bp = Bp + plan[0].b_floats();
-    const double wp = static_cast<double>(p.M * p.N * p.K), wq = static_cast<double>(q.M * q.N * q.K);
-    const int np = std::clamp(static_cast<int>(std::lround(team * wp / (wp + wq))), 1, team - 1);
-    std::atomic<i64> next[2] = {0, 0}, packed[2] = {0, 0};
-#pragma omp parallel num_threads(team)
-    {
-      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      // Thread t's own product and its rank in that product's part of the team. With a team of
-      // one (the runtime gave fewer threads than asked) the thread packs both.
-      const int split = std::min(np, nt - 1);
-      const int own = nt < 2 || t < split ? 0 : 1;
-      for (int j = 0; j < 2; ++j) {
-        if (nt >= 2 && j != own) continue;
-        const int rank = nt < 2 ? 0 : (j == 0 ? t : t - split), size = nt < 2 ? 1 : (j == 0 ? split : nt - split);
-        for (i64 u = rank; u < plan[j].units(); u += size) {
-          plan[j].pack(u);
-          packed[j].fetch_add(1, std::memory_order_release);
-        }
-      }
-      float* Ap = tl_a.get(a_floats);  // a thread without one takes no items
-      for (int k = 0; Ap && k < 2; ++k) {
-        const int j = k == 0 ? own : 1 - own;
-        if (next[j].load(std::memory_order_relaxed) >= plan[j].items) continue;
-        while (packed[j].load(std::memory_order_acquire) < plan[j].units()) _mm_pause();
-        for (i64 i; (i = next[j].fetch_add(1, std::memory_order_relaxed)) < plan[j].items;) plan[j].item(i, Ap);
-      }
-    }
+    run_pair_on_team(plan, static_cast<double>(p.M * p.N * p.K), static_cast<double>(q.M * q.N * q.K), team,
+                     [&] { return tl_a.get(a_floats); });
   }
 };
 
