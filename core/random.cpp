@@ -25,6 +25,12 @@ double Generator::uniform_open0(std::uint64_t seed, std::uint64_t i) {
   return (static_cast<double>(bits(seed, i) >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
 }
 
+void Generator::set_shard(std::uint64_t i, std::uint64_t k) {
+  if (k < 1 || i >= k) fail("Generator::set_shard", "shard ", i, " of ", k, " does not exist (need i < k, k >= 1)");
+  shard_ = i;
+  shards_ = k;
+}
+
 double Generator::next_uniform() { return uniform(seed_, advance(1)); }
 
 std::int64_t Generator::next_int(std::int64_t low, std::int64_t high) {

@@ -11,6 +11,7 @@
 // without a NoGradGuard) are freed by a sweep as the tape grows.
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <memory>
 #include <string>
@@ -88,6 +89,34 @@ class NoGradGuard {
 // grad is undefined) and walks the tape back from root's node. keep_tape keeps the walked nodes
 // for another backward (PyTorch's retain_graph).
 void backward(const Tensor& root, const Tensor& grad = Tensor(), bool keep_tape = false);
+
+// ---- gradient hooks (PyTorch's Tensor.register_post_accumulate_grad_hook) ----
+// hook(grad) runs during a backward() that reaches `leaf`, as soon as leaf's gradient is final for
+// that backward: right after the last node of the walk that adds into it (the earliest-recorded of
+// its consumers), before the walk goes on, with leaf.grad() as argument. It runs on the thread
+// of the backward, with recording off; an exception from it stops the backward. A backward
+// that does not reach the leaf does not call it. Data parallelism (tg::dist) starts reducing a
+// bucket of gradients from here while the rest of the backward runs.
+// The hook stays until its handle is destroyed or remove()d; register only on a leaf that
+// requires grad (a parameter). A backward with no hook registered anywhere costs nothing extra.
+class GradHookHandle {
+ public:
+  GradHookHandle() = default;
+  ~GradHookHandle() { remove(); }
+  GradHookHandle(GradHookHandle&& o) noexcept : id_(o.id_) { o.id_ = 0; }
+  GradHookHandle& operator=(GradHookHandle&& o) noexcept;
+  GradHookHandle(const GradHookHandle&) = delete;
+  GradHookHandle& operator=(const GradHookHandle&) = delete;
+  void remove();  // idempotent
+  bool active() const { return id_ != 0; }
+
+ private:
+  friend GradHookHandle register_post_accumulate_grad_hook(const Tensor&, std::function<void(const Tensor&)>);
+  explicit GradHookHandle(std::uint64_t id) : id_(id) {}
+  std::uint64_t id_ = 0;
+};
+[[nodiscard]] GradHookHandle register_post_accumulate_grad_hook(const Tensor& leaf,
+                                                                std::function<void(const Tensor& grad)> hook);
 
 // ---- anomaly mode (PyTorch's torch.autograd.set_detect_anomaly) ----
 // When on (for this thread), every recorded op checks its outputs and every backward step the

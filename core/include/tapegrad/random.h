@@ -17,8 +17,21 @@ class Generator {
   std::uint64_t seed() const { return seed_; }
   std::uint64_t offset() const { return offset_; }
   void set_state(std::uint64_t seed, std::uint64_t offset) { seed_ = seed; offset_ = offset; }
-  // Reserves n consecutive stream positions and returns the first.
-  std::uint64_t advance(std::uint64_t n) { std::uint64_t o = offset_; offset_ += n; return o; }
+  // Reserves n consecutive stream positions and returns the first. As shard i of k (set_shard),
+  // reserves k * n and returns the first of the i-th n.
+  std::uint64_t advance(std::uint64_t n) {
+    const std::uint64_t o = offset_ + shard_ * n;
+    offset_ += shards_ * n;
+    return o;
+  }
+  // Data parallelism: this process computes rows [i * b, (i + 1) * b) of a batch of k * b rows
+  // that a single process would compute whole (tg::dist, train_lm under mpirun). A random op on a
+  // tensor whose first dimension is the batch (dropout on (B, T, C) or (B, H, T, T)) then draws
+  // exactly the numbers the single process draws for those rows, and the stream ends at the
+  // same offset. (0, 1), the default, is a whole batch. Not part of the state (seed, offset).
+  void set_shard(std::uint64_t i, std::uint64_t k);
+  std::uint64_t shard() const { return shard_; }
+  std::uint64_t shards() const { return shards_; }
 
   // Stream value at position i: 64 random bits, a uniform double in [0, 1), one in (0, 1].
   static std::uint64_t bits(std::uint64_t seed, std::uint64_t i);
@@ -32,6 +45,7 @@ class Generator {
  private:
   std::uint64_t seed_;
   std::uint64_t offset_ = 0;
+  std::uint64_t shard_ = 0, shards_ = 1;
 };
 
 // The generator used when none is passed.
