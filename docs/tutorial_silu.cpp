@@ -50,6 +50,9 @@ void silu_backward(const T* x, const T* dy, T* dx, std::int64_t N, bool acc) {
 // [end]
 
 // [op]
+// tapegrad has this op as tg::silu; the tutorial's own is tutorial::silu, rebuilt from nothing.
+namespace tutorial {
+
 // silu(x) = x * sigmoid(x), elementwise (PyTorch's F.silu); float32 or float64, any shape.
 tg::Tensor silu(const tg::Tensor& x) {
   const char* op = "silu";
@@ -75,6 +78,8 @@ tg::Tensor silu(const tg::Tensor& x) {
   }
   return y;
 }
+
+}  // namespace tutorial
 // [end]
 
 // [wrong op]
@@ -84,7 +89,7 @@ tg::Tensor silu_forgot_product_rule(const tg::Tensor& x) {
   tg::Tensor y;
   {
     tg::NoGradGuard no_grad;  // the forward alone, no node
-    y = silu(x);
+    y = tutorial::silu(x);
   }
   if (tg::should_record({&x})) {
     struct Saved { tg::Tensor x; };
@@ -112,8 +117,8 @@ tg::Tensor silu_composite(const tg::Tensor& x) { return x * tg::sigmoid(x); }
 bool check_forward() {
   std::printf("== 1. forward\n");
   const std::vector<double> xs = {-100, -5, -1, 0, 1, 5, 100};
-  tg::Tensor y32 = silu(tg::tensor(xs, {7}, tg::float32));
-  tg::Tensor y64 = silu(tg::tensor(xs, {7}, tg::float64));
+  tg::Tensor y32 = tutorial::silu(tg::tensor(xs, {7}, tg::float32));
+  tg::Tensor y64 = tutorial::silu(tg::tensor(xs, {7}, tg::float64));
   bool ok = true;
   for (std::int64_t i = 0; i < 7; ++i) {
     const double x = xs[static_cast<std::size_t>(i)], want = x / (1 + std::exp(-x));
@@ -150,7 +155,7 @@ bool check_backward_kernel() {
 bool check_errors() {
   std::printf("== 3. errors\n");
   try {
-    silu(tg::tensor({1, 2, 3}, {3}, tg::int32));
+    tutorial::silu(tg::tensor({1, 2, 3}, {3}, tg::int32));
   } catch (const tg::Error& e) {
     std::printf("  %s\n", e.what());
     return std::string(e.what()) == "silu: expected a float32 or float64 tensor, got int32 (3,)";
@@ -166,10 +171,11 @@ bool check_gradients() {
   tg::manual_seed(0);
   tg::Tensor x = (tg::randn({3, 4}, tg::float64) * 3.0).requires_grad_();
 
-  tg::GradcheckReport once = tg::gradcheck([](const std::vector<tg::Tensor>& in) { return silu(in[0]); }, {x});
+  tg::GradcheckReport once =
+      tg::gradcheck([](const std::vector<tg::Tensor>& in) { return tutorial::silu(in[0]); }, {x});
   // x reaches two silu nodes: the first to run writes x's gradient (=), the second adds (+=).
   tg::GradcheckReport twice = tg::gradcheck(
-      [](const std::vector<tg::Tensor>& in) { return silu(in[0]) + silu(in[0]); }, {x});
+      [](const std::vector<tg::Tensor>& in) { return tutorial::silu(in[0]) + tutorial::silu(in[0]); }, {x});
   tg::GradcheckReport wrong = tg::gradcheck(
       [](const std::vector<tg::Tensor>& in) { return silu_forgot_product_rule(in[0]); }, {x});
 
@@ -194,7 +200,7 @@ bool check_composite() {
   tg::Tensor dy = tg::randn({64, 32}, tg::float64);  // an upstream gradient
 
   const std::size_t nodes0 = tg::tape().live(), bytes0 = tg::tape().bytes_saved();
-  tg::Tensor y_fused = silu(x);
+  tg::Tensor y_fused = tutorial::silu(x);
   const std::size_t nodes1 = tg::tape().live(), bytes1 = tg::tape().bytes_saved();
   tg::Tensor y_comp = silu_composite(x);
   const std::size_t nodes2 = tg::tape().live(), bytes2 = tg::tape().bytes_saved();
@@ -218,7 +224,7 @@ bool check_composite() {
 class SiluMLP : public tg::nn::UnaryModule {
  public:
   tg::Tensor forward(const tg::Tensor& x) override {
-    return fc3->forward(silu(fc2->forward(silu(fc1->forward(x)))));
+    return fc3->forward(tutorial::silu(fc2->forward(tutorial::silu(fc1->forward(x)))));
   }
   std::string type_name() const override { return "SiluMLP"; }
 

@@ -4,6 +4,7 @@
 // matching backward kernel. Float ops take float32 or float64; both operands must share a dtype
 // (PyTorch would promote; tapegrad asks for an explicit to()).
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "tapegrad/tensor.h"
@@ -115,6 +116,31 @@ Tensor scaled_causal_softmax(const Tensor& x, double scale);
 // by side: (B, T, C). Reads and writes the packed layout in place (no split, permute or merge).
 Tensor causal_attention(const Tensor& qkv, std::int64_t n_head);
 
+// ---- a LLaMA-style block's ops: each fused (one node; the hand-derived backward is in
+// core/kernels/llama.h), each with a composite twin in tg::composite. PyTorch's names. ----
+// SiLU (swish), F.silu: x * sigmoid(x), elementwise; finite for every finite x.
+Tensor silu(const Tensor& x);
+// SwiGLU over a packed projection: x (..., 2F) holds [gate | up] along the last axis (gate =
+// columns [0, F), up = [F, 2F)); returns silu(gate) * up, (..., F). LLaMA's MLP
+// down(silu(gate(h)) * up(h)) with gate and up fused in one Linear, its rows [0, F) gate, [F, 2F) up.
+Tensor swiglu(const Tensor& x);
+// Rotary position tables, Hugging Face Llama's: cos and sin, each (max_pos, head_size), row p holding
+// cos / sin of p * theta^(-2j / head_size) at columns j and j + head_size / 2, j < head_size / 2.
+// float32 tables are computed in float32 step by step as the reference computes them, float64 ones
+// in float64. head_size even and positive.
+std::pair<Tensor, Tensor> rope_tables(std::int64_t max_pos, std::int64_t head_size, double theta = 10000.0,
+                                      DType dtype = float32);
+// Rotary position embedding, Hugging Face Llama's "rotate_half" convention, of x (B, T, D) or (T, D),
+// D a multiple of head_size: columns [0, rotated) (whole heads; -1: all of D) turn head by head, the
+// rest are copied. Row t is at position p = pos0 + t (generation with a KV cache starts T new
+// positions at pos0); within a head, for j < hs / 2:
+//   y[j] = x[j] cos[p, j] - x[j + hs/2] sin[p, j],  y[j + hs/2] = x[j + hs/2] cos[p, j + hs/2] + x[j] sin[p, j + hs/2].
+// cos and sin (P >= pos0 + T, head_size), x's dtype (rope_tables), are constants: no gradient
+// reaches them, even when they require one. A packed qkv (B, T, 3C): rope(qkv, cos, sin, hs, 2 * C, pos0)
+// turns q and k and passes v through.
+Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, std::int64_t head_size, std::int64_t rotated = -1,
+            std::int64_t pos0 = 0);
+
 namespace composite {
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
 Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5, double p = 1.0);
@@ -126,6 +152,11 @@ Tensor weight_norm(const Tensor& v, const Tensor& g);
 Tensor scaled_causal_softmax(const Tensor& x, double scale);
 // split, permute, two batched matmuls and a masked softmax: the textbook version
 Tensor causal_attention(const Tensor& qkv, std::int64_t n_head);
+Tensor silu(const Tensor& x);    // x * sigmoid(x)
+Tensor swiglu(const Tensor& x);  // silu(gate slice) * up slice
+// the reference's q * cos + rotate_half(q) * sin on the (B, H, T, hs) layout: slices, permutes, cat
+Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, std::int64_t head_size, std::int64_t rotated = -1,
+            std::int64_t pos0 = 0);
 }  // namespace composite
 
 // ---- shape ops (all copy except reshape/view; all differentiable) ----
