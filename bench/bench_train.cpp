@@ -1,8 +1,11 @@
 // bench_train: the training step of examples/train_lm (same model, data, optimiser and schedule),
 // timed, printing one JSON line with the keys of the PyTorch reference (../shared/bench/torch_gpt.py):
 //   framework, norm, threads, steps, ms_per_step_median, tokens_per_s, train_loss, val_loss, peak_rss_mb,
-//   arch, autocast
+//   arch, autocast, params
+// and with --sample-tokens N the sampling speed of the model's generate, with and without its
+// KV cache (sample_tokens_per_s, sample_uncached_tokens_per_s: N tokens after a one-token prompt).
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -10,9 +13,25 @@
 
 #include "lm/trainer.h"
 
+// Tokens per second of GPT::generate with and without its KV cache: n tokens after a one-token
+// prompt, from the run's initial weights (the speed does not depend on their values).
+std::pair<double, double> sampling_speed(lm::TrainConfig c, const lm::Corpus& corpus, std::int64_t n) {
+  c.model.vocab_size = corpus.vocab_size();
+  tg::manual_seed(c.seed);
+  tg::nn::GPT model(c.model);
+  auto rate = [&](bool cache) {
+    tg::Generator g(c.seed);
+    const auto t0 = std::chrono::steady_clock::now();
+    model.generate({corpus.train[0]}, n, 1.0, 0, &g, cache);
+    return static_cast<double>(n) / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  return {rate(true), rate(false)};
+}
+
 int main(int argc, char** argv) {
   lm::TrainConfig c;
-  std::string norm = "rmsnorm";
+  std::string norm = "rmsnorm", arch = "gpt";
+  std::int64_t sample_tokens = 0;
   int threads = 0;
   c.data = "data/tinyshakespeare.txt";
   c.eval_interval = 1 << 30;  // evaluate once, at the end (as the reference)
@@ -20,6 +39,9 @@ int main(int argc, char** argv) {
   app.add_option("--data", c.data, "UTF-8 text corpus")->capture_default_str();
   app.add_option("--norm", norm, "layernorm|rmsnorm|prmsnorm|batchnorm|none")
       ->check(CLI::IsMember({"layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none"}))->capture_default_str();
+  app.add_option("--arch", arch, "gpt|llama")->check(CLI::IsMember({"gpt", "llama"}))->capture_default_str();
+  app.add_option("--sample-tokens", sample_tokens, "also time generating this many tokens, with and without the KV cache")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--steps", c.steps, "training iterations")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--threads", threads, "threads (default: all cores)")->check(CLI::Range(1, 1024));
   app.add_option("--n-layer", c.model.n_layer)->check(CLI::PositiveNumber)->capture_default_str();
@@ -44,6 +66,7 @@ int main(int argc, char** argv) {
   try {
     if (threads > 0) tg::set_num_threads(threads);
     c.model.norm = tg::nn::parse_norm_kind(norm);
+    c.model.arch = tg::nn::parse_arch(arch);
     c.progress = false;
     lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
     tg::set_op_timing(profile);
@@ -68,8 +91,14 @@ int main(int argc, char** argv) {
       j["val_loss"] = num(r.final_val, 4);
     }
     j["peak_rss_mb"] = num(lm::peak_rss_mb(), 1);
-    j["arch"] = "gpt";
+    j["arch"] = arch;
     j["autocast"] = c.precision == "bf16" ? "bf16" : "none";
+    j["params"] = r.parameters;
+    if (sample_tokens > 0) {
+      const auto [cached, uncached] = sampling_speed(c, corpus, sample_tokens);
+      j["sample_tokens_per_s"] = num(cached, 1);
+      j["sample_uncached_tokens_per_s"] = num(uncached, 1);
+    }
     if (profile) {  // per op: forward and backward ms per step, averaged over the run's steps
       nlohmann::ordered_json ops;
       const double per = 1e3 / static_cast<double>(c.steps);

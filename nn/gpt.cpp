@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <tuple>
 
 #include "tapegrad/autograd.h"
 
@@ -11,6 +12,19 @@
 #include "tapegrad/random.h"
 
 namespace tg::nn {
+
+Arch parse_arch(const std::string& s) {
+  if (s == "gpt") return Arch::gpt;
+  if (s == "llama") return Arch::llama;
+  fail("GPTConfig", "unknown arch '", s, "' (expected gpt or llama)");
+}
+
+std::string to_string(Arch a) { return a == Arch::llama ? "llama" : "gpt"; }
+
+std::int64_t GPTConfig::ffn_hidden() const {
+  if (arch == Arch::gpt) return 4 * n_embd;
+  return 16 * ((8 * n_embd + 47) / 48);  // 16 * ceil(8 n_embd / 3 / 16), in integers
+}
 
 void GPTConfig::validate() const {
   auto pos = [](const char* what, std::int64_t v) {
@@ -25,6 +39,12 @@ void GPTConfig::validate() const {
   if (!(dropout >= 0 && dropout < 1)) fail("GPTConfig", "dropout must be in [0, 1), got ", dropout);
   if (!(p > 0 && p <= 1)) fail("GPTConfig", "p must be in (0, 1], got ", p);
   if (!(eps >= 0) || !std::isfinite(eps)) fail("GPTConfig", "eps must be finite and >= 0, got ", eps);
+  if (arch == Arch::llama) {
+    if (head_size() % 2 != 0)
+      fail("GPTConfig", "llama needs an even head size for RoPE: n_embd ", n_embd, " / n_head ", n_head, " = ",
+           head_size());
+    if (bias) fail("GPTConfig", "llama has no biases (bias must be false)");
+  }
 }
 
 CausalSelfAttention::CausalSelfAttention(std::int64_t C, std::int64_t H, bool bias, double dropout, DType dtype)
@@ -59,41 +79,88 @@ std::string CausalSelfAttention::extra_repr() const {
   return "n_embd=" + std::to_string(n_embd) + ", n_head=" + std::to_string(n_head);
 }
 
-Block::Block(const GPTConfig& cfg, DType dtype) {
-  ln1 = register_module("ln1", make_norm(cfg.norm, cfg.n_embd, cfg.eps, cfg.p, dtype));
-  attn = register_module("attn", std::make_shared<CausalSelfAttention>(cfg.n_embd, cfg.n_head, cfg.bias, cfg.dropout, dtype));
-  ln2 = register_module("ln2", make_norm(cfg.norm, cfg.n_embd, cfg.eps, cfg.p, dtype));
-  mlp = register_module("mlp", std::make_shared<MLP>(cfg.n_embd, 4 * cfg.n_embd, cfg.bias, cfg.dropout, dtype));
+Block::Block(const GPTConfig& cfg, DType dtype, Tensor rope_cos, Tensor rope_sin)
+    : arch_(cfg.arch), n_head_(cfg.n_head), rope_cos_(std::move(rope_cos)), rope_sin_(std::move(rope_sin)) {
+  const std::int64_t C = cfg.n_embd, F = cfg.ffn_hidden();
+  ln1 = register_module("ln1", make_norm(cfg.norm, C, cfg.eps, cfg.p, dtype));
+  qkv = register_module("qkv", std::make_shared<Linear>(C, 3 * C, cfg.bias, dtype));
+  proj = register_module("proj", std::make_shared<Linear>(C, C, cfg.bias, dtype));
+  ln2 = register_module("ln2", make_norm(cfg.norm, C, cfg.eps, cfg.p, dtype));
+  if (arch_ == Arch::gpt) {
+    fc = register_module("fc", std::make_shared<Linear>(C, F, cfg.bias, dtype));
+    fc_out = register_module("fc_out", std::make_shared<Linear>(F, C, cfg.bias, dtype));
+  } else {
+    gate_up = register_module("gate_up", std::make_shared<Linear>(C, 2 * F, cfg.bias, dtype));
+    down = register_module("down", std::make_shared<Linear>(F, C, cfg.bias, dtype));
+  }
+  attn_drop = register_module("attn_drop", std::make_shared<Dropout>(cfg.dropout));
+  resid_drop = register_module("resid_drop", std::make_shared<Dropout>(cfg.dropout));
+  mlp_drop = register_module("mlp_drop", std::make_shared<Dropout>(cfg.dropout));
+}
+
+// qkv, RoPE on q and k (llama), softmax(q k^T / sqrt(hs)) over keys j <= i, the weighted sum of v,
+// heads merged, proj.
+Tensor Block::attention(const Tensor& h) {
+  const std::int64_t B = h.size(0), T = h.size(1), C = h.size(2), H = n_head_, hs = C / H;
+  Tensor packed = qkv->forward(h);  // (B, T, 3C): q, k, v side by side
+  if (arch_ == Arch::llama) packed = rope(packed, rope_cos_, rope_sin_, hs, 2 * C);  // q and k; v as it is
+  Tensor y;
+  if (attn_drop->p == 0 || !attn_drop->is_training()) {
+    y = causal_attention(packed, H);  // fused: no copies, one node
+  } else {
+    // With attention dropout, the textbook path: (B, T, 3, H, hs) -> (3, B, H, T, hs), then
+    // softmax(q k^T / sqrt(hs)) over keys j <= i, dropout, weighted sum of v, heads merged.
+    std::vector<Tensor> parts = split(permute(packed.reshape({B, T, 3, H, hs}), {2, 0, 3, 1, 4}), 1, 0);
+    Tensor q = parts[0].reshape({B, H, T, hs}), k = parts[1].reshape({B, H, T, hs}), v = parts[2].reshape({B, H, T, hs});
+    Tensor att = scaled_causal_softmax(matmul(q, k, false, true), 1.0 / std::sqrt(static_cast<double>(hs)));
+    y = permute(matmul(attn_drop->forward(att), v), {0, 2, 1, 3}).reshape({B, T, C});
+  }
+  return proj->forward(y);
+}
+
+Tensor Block::mlp(const Tensor& h) {
+  if (arch_ == Arch::gpt) return mlp_drop->forward(fc_out->forward(gelu(fc->forward(h))));
+  return mlp_drop->forward(down->forward(swiglu(gate_up->forward(h))));  // silu(gate) * up, fused
 }
 
 Tensor Block::forward(const Tensor& x) {
-  Tensor h = x + attn->forward(ln1->forward(x));
-  return h + mlp->forward(ln2->forward(h));
+  if (!x.defined() || x.dim() != 3 || x.size(2) != qkv->in_features)
+    fail("Block", "expects input (B, T, ", qkv->in_features, "), got ", x.defined() ? x.shape().str() : "undefined");
+  Tensor h = x + resid_drop->forward(attention(ln1->forward(x)));
+  return h + mlp(ln2->forward(h));
 }
 
 GPT::GPT(const GPTConfig& cfg, DType dtype) : cfg_(cfg) {
   cfg.validate();
   wte = register_module("wte", std::make_shared<Embedding>(cfg.vocab_size, cfg.n_embd, dtype));
-  wpe = register_module("wpe", std::make_shared<Embedding>(cfg.block_size, cfg.n_embd, dtype));
+  if (cfg.arch == Arch::gpt) wpe = register_module("wpe", std::make_shared<Embedding>(cfg.block_size, cfg.n_embd, dtype));
+  else std::tie(rope_cos_, rope_sin_) = rope_tables(cfg.block_size, cfg.head_size(), 10000.0, dtype);
   drop = register_module("drop", std::make_shared<Dropout>(cfg.dropout));
   blocks = register_module("blocks", std::make_shared<ModuleList<Block>>());
-  for (std::int64_t i = 0; i < cfg.n_layer; ++i) blocks->push_back(std::make_shared<Block>(cfg, dtype));
+  for (std::int64_t i = 0; i < cfg.n_layer; ++i) blocks->push_back(std::make_shared<Block>(cfg, dtype, rope_cos_, rope_sin_));
   ln_f = register_module("ln_f", make_norm(cfg.norm, cfg.n_embd, cfg.eps, cfg.p, dtype));
+  if (cfg.arch == Arch::llama) head = register_module("head", std::make_shared<Linear>(cfg.n_embd, cfg.vocab_size, false, dtype));
 
   // GPT-2 initialisation, in named_parameters order so a seed fixes every weight.
   const double resid_std = 0.02 / std::sqrt(2.0 * static_cast<double>(cfg.n_layer));
+  auto ends_with = [](const std::string& s, const std::string& tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+  };
   for (auto& [name, t] : named_parameters()) {
     const bool is_norm = name.find(".ln") != std::string::npos || name.rfind("ln_f.", 0) == 0;
     if (is_norm) continue;
     Tensor p = t;
-    const bool resid = name.find("attn.proj.weight") != std::string::npos || name.find("mlp.fc_out.weight") != std::string::npos;
-    if (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) {
-      std::memset(p.raw_data(), 0, p.nbytes());
-    } else {
-      normal_(p, 0.0, resid ? resid_std : 0.02);
-    }
+    const bool resid = ends_with(name, ".proj.weight") || ends_with(name, ".fc_out.weight") || ends_with(name, ".down.weight");
+    if (ends_with(name, ".bias")) std::memset(p.raw_data(), 0, p.nbytes());
+    else normal_(p, 0.0, resid ? resid_std : 0.02);
   }
   name_tensors();
+}
+
+Tensor GPT::logits(const Tensor& x) {
+  Tensor h = ln_f->forward(x);
+  if (head) return head->forward(h);             // llama: untied (B, T, C) -> (B, T, V)
+  return matmul(h, wte->weight, false, true);  // tied head: (B, T, C) @ (V, C)^T -> (B, T, V)
 }
 
 Tensor GPT::forward(const Tensor& ids) {
@@ -102,11 +169,11 @@ Tensor GPT::forward(const Tensor& ids) {
          ids.defined() ? std::string(" ") + dtype_name(ids.dtype()) : "");
   const std::int64_t T = ids.size(1);
   if (T > cfg_.block_size) fail("GPT", "sequence length ", T, " exceeds block_size ", cfg_.block_size);
-  Tensor pos = arange(0.0, static_cast<double>(T), 1.0, DType::i32);
-  Tensor x = drop->forward(wte->forward(ids) + wpe->forward(pos));  // (B, T, C) + (T, C)
+  Tensor x = wte->forward(ids);
+  if (wpe) x = x + wpe->forward(arange(0.0, static_cast<double>(T), 1.0, DType::i32));  // (B, T, C) + (T, C)
+  x = drop->forward(x);
   for (auto& b : *blocks) x = b->forward(x);
-  x = ln_f->forward(x);
-  return matmul(x, wte->weight, false, true);  // tied head: (B, T, C) @ (V, C)^T -> (B, T, V)
+  return logits(x);
 }
 
 Tensor GPT::loss(const Tensor& ids, const Tensor& targets) {
@@ -116,49 +183,25 @@ Tensor GPT::loss(const Tensor& ids, const Tensor& targets) {
   return cross_entropy(logits.reshape({-1, cfg_.vocab_size}), targets.reshape({-1}));
 }
 
-std::vector<std::int32_t> GPT::generate(const std::vector<std::int32_t>& prompt, std::int64_t n, double temperature,
-                                        std::int64_t top_k, Generator* gen) {
-  if (prompt.empty()) fail("generate", "needs a non-empty prompt");
-  if (n < 0) fail("generate", "number of tokens must be >= 0, got ", n);
-  if (!(temperature > 0) || !std::isfinite(temperature)) fail("generate", "temperature must be positive, got ", temperature);
-  for (std::int32_t t : prompt)
-    if (t < 0 || t >= cfg_.vocab_size) fail("generate", "prompt token ", t, " is out of range for vocab ", cfg_.vocab_size);
-  Generator& g = gen ? *gen : default_generator();
-  NoGradGuard ng;
-  const bool was_training = is_training();
-  eval();
-  std::vector<std::int32_t> ctx = prompt, out;
-  const std::int64_t V = cfg_.vocab_size;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const std::int64_t T = std::min<std::int64_t>(static_cast<std::int64_t>(ctx.size()), cfg_.block_size);
-    std::vector<std::int32_t> window(ctx.end() - T, ctx.end());
-    Tensor logits = forward(from_vector(window, {1, T})).to(DType::f64);  // (1, T, V)
-    const double* last = logits.data<double>() + (T - 1) * V;
-    std::vector<double> z(last, last + V);
-    // keep the top_k largest logits
-    if (top_k > 0 && top_k < V) {
-      std::vector<double> sorted = z;
-      std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.end(), std::greater<double>());
-      const double kth = sorted[static_cast<std::size_t>(top_k - 1)];
-      for (double& v : z)
-        if (v < kth) v = -INFINITY;
-    }
-    const double mx = *std::max_element(z.begin(), z.end());
-    double s = 0;
-    for (double& v : z) s += (v = std::exp((v - mx) / temperature));
-    double u = g.next_uniform() * s;
-    std::int32_t pick = 0;
-    for (std::int64_t k = 0; k < V; ++k) {
-      u -= z[static_cast<std::size_t>(k)];
-      if (u < 0 || k == V - 1) { pick = static_cast<std::int32_t>(k); break; }
-    }
-    // a token of probability 0 is never picked, even at the end of the loop
-    while (z[static_cast<std::size_t>(pick)] == 0 && pick > 0) --pick;
-    ctx.push_back(pick);
-    out.push_back(pick);
+std::size_t upgrade_state_dict(StateDict& sd, Arch arch, const std::string& prefix) {
+  const std::pair<std::string, std::string> legacy[] = {
+      {".attn.qkv.", ".qkv."}, {".attn.proj.", ".proj."}, {".mlp.fc.", ".fc."}, {".mlp.fc_out.", ".fc_out."}};
+  const bool tied_as_head =
+      arch == Arch::gpt && sd.contains(prefix + "head.weight") && !sd.contains(prefix + "wte.weight");
+  StateDict out;
+  std::size_t renamed = 0;
+  for (const auto& [key, t] : sd) {
+    std::string name = key;
+    if (key.rfind(prefix + "blocks.", 0) == 0)
+      for (const auto& [from, to] : legacy)
+        if (const auto at = name.find(from); at != std::string::npos) name.replace(at, from.size(), to);
+    if (tied_as_head && key == prefix + "head.weight") name = prefix + "wte.weight";
+    if (name != key && sd.contains(name)) fail("upgrade_state_dict", "both '", key, "' and '", name, "' are present");
+    renamed += name != key;
+    out.insert(name, t);
   }
-  train(was_training);
-  return out;
+  sd = std::move(out);
+  return renamed;
 }
 
 }  // namespace tg::nn

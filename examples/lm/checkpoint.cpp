@@ -17,6 +17,7 @@ namespace {
 json config_to_json(const TrainConfig& c) {
   const auto& m = c.model;
   return json{{"data", c.data},
+              {"arch", nn::to_string(m.arch)},
               {"norm", nn::to_string(m.norm)},
               {"vocab_size", m.vocab_size},
               {"block_size", m.block_size},
@@ -46,6 +47,7 @@ json config_to_json(const TrainConfig& c) {
 TrainConfig config_from_json(const json& j) {
   TrainConfig c;
   c.data = j.at("data").get<std::string>();
+  c.model.arch = nn::parse_arch(j.value("arch", std::string("gpt")));  // absent before the llama arch
   c.model.norm = nn::parse_norm_kind(j.at("norm").get<std::string>());
   c.model.vocab_size = j.at("vocab_size");
   c.model.block_size = j.at("block_size");
@@ -83,6 +85,13 @@ const std::string& meta_value(const Metadata& meta, const std::string& key, cons
 }  // namespace
 
 std::string config_json(const TrainConfig& c) { return config_to_json(c).dump(); }
+
+StateDict export_state_dict(const nn::GPT& model) {
+  StateDict out;
+  const bool tied = !model.head;
+  for (const auto& [k, t] : model.state_dict()) out.insert(tied && k == "wte.weight" ? "head.weight" : k, t);
+  return out;
+}
 
 std::string exact(double v) {
   char buf[32];
@@ -125,16 +134,18 @@ Checkpoint read_checkpoint(const std::string& dir, const nn::GPTConfig& model) {
   Checkpoint ck;
   ck.file = (fs::path(dir) / "checkpoint.safetensors").string();
   ck.tensors = load_safetensors(ck.file, &ck.meta);
+  nn::upgrade_state_dict(ck.tensors, model.arch, "model.");  // the names of earlier versions
   auto expect = [&](const std::string& key, const Shape& shape) {
     if (!ck.tensors.contains(key)) fail("resume", ck.file, " has no tensor '", key, "'");
     if (!(ck.tensors.at(key).shape() == shape))
       fail("resume", ck.file, ": '", key, "' is ", ck.tensors.at(key).shape(), " but the config asks for ", shape);
   };
   expect("model.wte.weight", Shape{model.vocab_size, model.n_embd});
-  expect("model.wpe.weight", Shape{model.block_size, model.n_embd});
-  const std::string last = "model.blocks." + std::to_string(model.n_layer - 1) + ".attn.qkv.weight";
+  if (model.arch == nn::Arch::gpt) expect("model.wpe.weight", Shape{model.block_size, model.n_embd});
+  else expect("model.head.weight", Shape{model.vocab_size, model.n_embd});
+  const std::string last = "model.blocks." + std::to_string(model.n_layer - 1) + ".qkv.weight";
   expect(last, Shape{3 * model.n_embd, model.n_embd});
-  if (ck.tensors.contains("model.blocks." + std::to_string(model.n_layer) + ".attn.qkv.weight"))
+  if (ck.tensors.contains("model.blocks." + std::to_string(model.n_layer) + ".qkv.weight"))
     fail("resume", ck.file, " has more blocks than the config's n_layer ", model.n_layer);
   return ck;
 }

@@ -12,6 +12,8 @@
 namespace lm {
 
 inline constexpr const char* kCheckpointFormat = "tapegrad-lm-checkpoint-1";
+// model.safetensors: the final weights under the reference model's state-dict names.
+inline constexpr const char* kModelFormat = "tapegrad-lm-model-1";
 
 // What a checkpoint file holds, as read.
 struct Checkpoint {
@@ -24,6 +26,11 @@ struct Checkpoint {
 // context, width, number of blocks), so that a damaged configuration (n_layer 4294967296, n_embd 1e9)
 // is refused before anything is allocated for it.
 Checkpoint read_checkpoint(const std::string& dir, const tg::nn::GPTConfig& model);
+
+// The model's state dict as the PyTorch reference's safetensors save_model writes it: every
+// parameter and buffer under its own name, a tied head (gpt) once, as head.weight (save_model keeps
+// the first of a shared tensor's names in sorted order: head.weight before wte.weight).
+tg::StateDict export_state_dict(const tg::nn::GPT& model);
 
 // The configuration as JSON text (what the "config" metadata entry and model.safetensors hold).
 std::string config_json(const TrainConfig& c);

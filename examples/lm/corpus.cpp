@@ -1,6 +1,7 @@
 #include "lm/corpus.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -76,6 +77,30 @@ std::string Corpus::decode(const std::vector<std::int32_t>& ids) const {
   std::string s;
   for (std::int32_t i : ids) s += encode_utf8(vocab[static_cast<std::size_t>(i)]);
   return s;
+}
+
+std::vector<std::int32_t> Corpus::encode(const std::string& text) const {
+  std::vector<char32_t> chars;
+  if (!decode_utf8(text, chars)) tg::fail("prompt", "is not valid UTF-8");
+  std::vector<std::int32_t> ids;
+  for (char32_t c : chars) {
+    const auto it = std::lower_bound(vocab.begin(), vocab.end(), c);
+    if (it == vocab.end() || *it != c) {
+      char code[16];
+      std::snprintf(code, sizeof code, "U+%04X", static_cast<unsigned>(c));
+      tg::fail("prompt", "the character '", encode_utf8(c), "' (", code, ") is not in the model's vocabulary of ",
+               vocab.size(), " characters");
+    }
+    ids.push_back(static_cast<std::int32_t>(it - vocab.begin()));
+  }
+  return ids;
+}
+
+Corpus vocabulary_only(const std::string& vocab_utf8) {
+  Corpus c;
+  if (!decode_utf8(vocab_utf8, c.vocab) || !std::is_sorted(c.vocab.begin(), c.vocab.end()))
+    tg::fail("vocab", "is not a sorted UTF-8 vocabulary");
+  return c;
 }
 
 std::string Corpus::vocab_utf8() const {

@@ -15,6 +15,8 @@ struct Corpus {
   std::vector<std::int32_t> train, val;
   std::int64_t vocab_size() const { return static_cast<std::int64_t>(vocab.size()); }
   std::string decode(const std::vector<std::int32_t>& ids) const;
+  // Token ids of a UTF-8 text; a character outside the vocabulary is a tg::Error naming it.
+  std::vector<std::int32_t> encode(const std::string& text) const;
   std::string vocab_utf8() const;    // the vocabulary as one UTF-8 string (stored in checkpoints)
 };
 
@@ -23,6 +25,9 @@ struct Corpus {
 Corpus load_corpus(const std::string& path, std::int64_t block_size);
 
 std::string encode_utf8(char32_t c);
+
+// A Corpus with only the vocabulary (vocab_utf8() of a checkpoint), for encoding and decoding.
+Corpus vocabulary_only(const std::string& vocab_utf8);
 
 // A random batch (x, y) of shape (B, T): windows of the split starting at uniform positions,
 // y shifted by one. Positions come from gen, so a saved generator state replays the same batches.

@@ -103,12 +103,12 @@ TEST_CASE("named_parameters uses PyTorch's dotted names in registration order") 
   CHECK(names[1] == "wpe.weight");
   CHECK(names[2] == "blocks.0.ln1.weight");
   CHECK(names[3] == "blocks.0.ln1.bias");
-  CHECK(names[4] == "blocks.0.attn.qkv.weight");
-  CHECK(names[5] == "blocks.0.attn.proj.weight");
-  CHECK(names[8] == "blocks.0.mlp.fc.weight");
-  CHECK(names[9] == "blocks.0.mlp.fc_out.weight");
+  CHECK(names[4] == "blocks.0.qkv.weight");
+  CHECK(names[5] == "blocks.0.proj.weight");
+  CHECK(names[8] == "blocks.0.fc.weight");
+  CHECK(names[9] == "blocks.0.fc_out.weight");
   CHECK(names.back() == "ln_f.bias");
-  CHECK(gpt.blocks->operator[](1).attn->qkv->weight.name() == "blocks.1.attn.qkv.weight");
+  CHECK(gpt.blocks->operator[](1).qkv->weight.name() == "blocks.1.qkv.weight");
 }
 
 TEST_CASE("train and eval propagate to children, zero_grad clears every gradient") {
