@@ -47,9 +47,9 @@ void check_rope_tables(const char* op, const Tensor& x, const Tensor& cos, const
            cos.shape(), ", sin ", sin.dtype(), " ", sin.shape());
   if (cos.dim() != 2 || cos.size(1) != hs || sin.shape() != cos.shape())
     fail(op, "cos and sin must both be (P, head_size ", hs, "), got cos ", cos.shape(), " and sin ", sin.shape());
-  if (cos.size(0) < pos0 + Tn)
-    fail(op, "the tables ", cos.shape(), " hold ", cos.size(0), " positions, but x ", x.shape(), " at pos0 ", pos0,
-         " needs positions [", pos0, ", ", pos0 + Tn, ")");
+  if (pos0 > cos.size(0) - Tn)  // P < pos0 + Tn, without forming pos0 + Tn (pos0 may be huge)
+    fail(op, "the tables ", cos.shape(), " hold ", cos.size(0), " positions, but x ", x.shape(), " needs ", Tn,
+         " positions from pos0 ", pos0);
 }
 
 RopeDims check_rope(const char* op, const Tensor& x, const Tensor& cos, const Tensor& sin, std::int64_t hs,

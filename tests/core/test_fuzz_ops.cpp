@@ -13,9 +13,10 @@
 // would overflow an intermediate the float64 reference does not). When an input requires grad,
 // backward runs with a random upstream gradient; each such input must receive a gradient of its
 // own shape, with values checked against a reference for the elementwise ops, reductions, matmul,
-// softmax, cross_entropy and the data-movement ops, and against the composite twin for the fused
-// norms and attention. No op or backward may write into its inputs. A last family runs large
-// inputs (above the parallel threshold) on one thread and on the pool: the results must agree.
+// softmax, cross_entropy, the data-movement ops, swiglu and rope, and against the composite twin
+// for the fused norms, attention, swiglu and rope. No op or backward may write into its inputs. A
+// last family runs large inputs (above the parallel threshold) on one thread and on the pool: the
+// results must agree.
 //
 // Deterministic: each call draws from its own std::mt19937_64 seed, printed on failure. Replay one
 // call with TAPEGRAD_FUZZ_SEED=<seed> test_core "[fuzz]".
@@ -712,8 +713,8 @@ void fuzz_scalar(Rng& r, std::uint64_t seed) {
 
 void fuzz_unary(Rng& r, std::uint64_t seed) {
   static const char* const kNames[] = {"neg", "exp", "log", "sqrt", "rsqrt", "pow", "abs",
-                                       "tanh", "sigmoid", "relu", "gelu", "gelu(tanh)"};
-  const int op = static_cast<int>(r.range(0, 11));
+                                       "tanh", "sigmoid", "relu", "gelu", "gelu(tanh)", "silu"};
+  const int op = static_cast<int>(r.range(0, 12));
   const std::string name = kNames[op];
   const DType dt = any_dtype(r);
   Tensor x = input(r, rand_shape(r), dt);
@@ -749,6 +750,7 @@ void fuzz_unary(Rng& r, std::uint64_t seed) {
       case 7: return tg::tanh(x);
       case 8: return tg::sigmoid(x);
       case 9: return tg::relu(x);
+      case 12: return tg::silu(x);
       default: return tg::gelu(x, approx);
     }
   });
@@ -771,6 +773,11 @@ void fuzz_unary(Rng& r, std::uint64_t seed) {
       case 7: f = std::tanh(v), d = 1 - f * f, dm = f * f; break;  // 1 - y^2 cancels near |y| = 1
       case 8: f = 1 / (1 + std::exp(-v)), d = f * (1 - f), dm = f; break;
       case 9: f = v > 0 ? v : (std::isnan(v) ? v : 0.0), d = v > 0 ? 1.0 : 0.0; break;
+      case 12: {  // silu: x s, slope s (1 + x (1 - s)); float32's s has fast_exp's 2 ulp
+        const double s = 1 / (1 + std::exp(-v));
+        f = v * s, d = s * (1 + v * (1 - s)), dm = 1 + fin(v) * s * (1 - s);
+        break;
+      }
       case 10: {
         const double cdf = 0.5 * (1 + std::erf(v / std::sqrt(2.0)));
         f = v * cdf;
@@ -786,7 +793,8 @@ void fuzz_unary(Rng& r, std::uint64_t seed) {
         break;
       }
     }
-    // gelu is x Phi(x): its rounding scale is |x| (1 + tanh(u) cancels for large negative x)
+    // gelu is x Phi(x), silu x sigmoid(x): the rounding scale is |x| (1 + tanh(u) cancels for large
+    // negative x)
     ref.add(f, op >= 10 ? fin(v) + fin(f) : fin(f));
     // derivatives are compared where the input is finite and moderate: for |x| beyond 1e15 the
     // formulas overflow intermediates (x^3) differently in float32 and float64
@@ -2079,6 +2087,184 @@ void fuzz_attention(Rng& r, std::uint64_t seed) {
   if (g && gc && comparable) check_twin_grads("causal_attention", {qkv}, fused_grads, *g);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The LLaMA ops: swiglu (and composite::silu), rope, rope_tables. silu itself is a unary op above.
+
+// silu(v) = v sigmoid(v) and its slope s (1 + v (1 - s)), in double.
+double silu_of(double v) { return v / (1 + std::exp(-v)); }
+double silu_slope(double v) {
+  const double s = 1 / (1 + std::exp(-v));
+  return s * (1 + v * (1 - s));
+}
+
+// swiglu's gradient reference: d gate = dy up silu'(gate), d up = dy silu(gate), compared where
+// the operands are finite and moderate.
+Ref swiglu_grad_ref(const std::vector<double>& xv, const std::vector<double>& gv, i64 F) {
+  Ref gx;
+  gx.zeros(xv.size());
+  const i64 rows = F ? static_cast<i64>(xv.size()) / (2 * F) : 0;
+  for (i64 rr = 0; rr < rows; ++rr)
+    for (i64 j = 0; j < F; ++j) {
+      const auto a = static_cast<std::size_t>(rr * 2 * F + j), b = a + static_cast<std::size_t>(F);
+      const double gate = xv[a], up = xv[b], d = gv[static_cast<std::size_t>(rr * F + j)];
+      const bool moderate = std::isfinite(gate) && std::isfinite(up) && std::fabs(gate) < 1e15 && fin(up * d) < 1e30;
+      gx.val[a] = d * up * silu_slope(gate);
+      gx.mag[a] = moderate ? fin(d * up) * (1 + fin(gate)) : kInf;
+      gx.val[b] = d * silu_of(gate);
+      gx.mag[b] = moderate ? fin(d) * (1 + fin(gate)) : kInf;
+    }
+  return gx;
+}
+
+void fuzz_swiglu(Rng& r, std::uint64_t seed) {
+  const DType dt = any_dtype(r, 0.05);
+  Shape s = rand_shape(r, r.chance(0.05) ? 0 : 1, 4);
+  if (s.ndim() > 0 && r.chance(0.85)) s[s.ndim() - 1] = 2 * r.pick<i64>({0, 1, 1, 2, 3});
+  Tensor x = input(r, s, dt);
+  INFO(Call(seed, "swiglu").t("x", x).str());
+  const Unchanged unchanged({x});
+  const bool valid = is_float(x) && x.dim() >= 1 && x.shape()[x.dim() - 1] % 2 == 0;
+  const auto y = attempt("swiglu", valid ? Expect::ok : Expect::error, [&] { return tg::swiglu(x); });
+  Ref ref;
+  Shape out;
+  const std::vector<double> xv = values(x);
+  const i64 F = valid ? x.shape()[x.dim() - 1] / 2 : 0;
+  if (valid) {
+    out = x.shape();
+    out[out.ndim() - 1] = F;
+    for (i64 k = 0; k < out.numel(); ++k) {
+      const auto a = static_cast<std::size_t>(k / F * 2 * F + k % F), b = a + static_cast<std::size_t>(F);
+      ref.add(silu_of(xv[a]) * xv[b], fin(xv[a] * xv[b]));
+    }
+  }
+  std::optional<Tensor> g;
+  if (y) {
+    check_output("swiglu", *y, x.dtype(), out, &ref);
+    g = run_backward(r, "swiglu", *y, {x});
+    if (g) check_grad("swiglu", x, swiglu_grad_ref(xv, g->to_vector<double>(), F));
+  }
+  const std::vector<Tensor> fused_grads = take_grads({x});
+  const auto yc = attempt("composite::swiglu", valid ? Expect::ok : Expect::error, [&] { return tg::composite::swiglu(x); });
+  if (yc && valid) {
+    const bool comparable = all_moderate({x}, 100);
+    check_output("composite::swiglu", *yc, x.dtype(), out, comparable ? &ref : nullptr, 20);
+    const auto gc = run_backward(r, "composite::swiglu", *yc, {x}, false, g ? &*g : nullptr);
+    if (g && gc && comparable) check_twin_grads("swiglu", {x}, fused_grads, *g);
+  }
+  take_grads({x});
+  // composite::silu, x * sigmoid(x), on the same x against silu's values
+  const auto ys = attempt("composite::silu", is_float(x) ? Expect::ok : Expect::error, [&] { return tg::composite::silu(x); });
+  if (!ys) return;
+  Ref sref;
+  for (double v : xv) sref.add(silu_of(v), fin(v));
+  check_output("composite::silu", *ys, x.dtype(), x.shape(), &sref);
+  run_backward(r, "composite::silu", *ys, {x});
+}
+
+// rope's reference: per row at position p = pos0 + t, each pair (a, b) = (x[j], x[j + hs/2]) of
+// the first R columns becomes (a c1 - b s1, b c2 + a s2); the rest is copied. For the gradient,
+// the transposed map of dy: (g1 c1 + g2 s2, g2 c2 - g1 s1), the rest dy.
+Ref rope_ref(const std::vector<double>& xv, const std::vector<double>& cv, const std::vector<double>& sv, i64 rows,
+             i64 T, i64 D, i64 hs, i64 R, i64 pos0, bool transposed) {
+  Ref ref;
+  ref.zeros(xv.size());
+  const i64 half = hs / 2;
+  for (i64 row = 0; row < rows; ++row) {
+    const i64 p = pos0 + row % T;
+    auto tab = [&](const std::vector<double>& t, i64 j) { return t[static_cast<std::size_t>(p * hs + j)]; };
+    for (i64 h = 0; h < R; h += hs)
+      for (i64 j = 0; j < half; ++j) {
+        const auto i1 = static_cast<std::size_t>(row * D + h + j), i2 = i1 + static_cast<std::size_t>(half);
+        const double a = xv[i1], b = xv[i2], c1 = tab(cv, j), s1 = tab(sv, j), c2 = tab(cv, j + half),
+                     s2 = tab(sv, j + half);
+        ref.val[i1] = transposed ? a * c1 + b * s2 : a * c1 - b * s1;
+        ref.mag[i1] = transposed ? fin(a * c1) + fin(b * s2) : fin(a * c1) + fin(b * s1);
+        ref.val[i2] = transposed ? b * c2 - a * s1 : b * c2 + a * s2;
+        ref.mag[i2] = transposed ? fin(b * c2) + fin(a * s1) : fin(b * c2) + fin(a * s2);
+      }
+    for (i64 k = R; k < D; ++k) {
+      const auto o = static_cast<std::size_t>(row * D + k);
+      ref.val[o] = xv[o];
+      ref.mag[o] = fin(xv[o]);
+    }
+  }
+  return ref;
+}
+
+// rope with tables of any values (the kernel applies [[c1, -s1], [s2, c2]] to each pair, a
+// rotation for rope_tables' tables); bad head sizes, rotated, pos0 and tables among them. (Tables
+// that require grad, constants to rope, are in test_llama_ops.cpp.)
+void fuzz_rope(Rng& r, std::uint64_t seed) {
+  const DType dt = any_dtype(r, 0.05);
+  const i64 hs = r.chance(0.9) ? r.pick<i64>({2, 2, 4, 6}) : r.pick<i64>({0, 3, -2, kI64Max});
+  const bool hs_ok = hs > 0 && hs % 2 == 0 && hs < 100;
+  const i64 heads = r.pick<i64>({0, 1, 1, 2, 3}), D = (hs_ok ? heads * hs : 4) + (r.chance(0.05) ? 1 : 0);
+  const i64 B = rand_dim(r), T = rand_dim(r);
+  Shape s = r.chance(0.3) ? Shape{T, D} : Shape{B, T, D};
+  if (r.chance(0.05)) s = rand_shape(r);
+  Tensor x = input(r, s, dt);
+  i64 rotated = -1;
+  if (r.chance(0.6) && hs_ok) rotated = r.range(0, heads) * hs;
+  else if (r.chance(0.1)) rotated = r.pick<i64>({1, -2, D + 2, kI64Max, kI64Min});
+  const i64 pos0 = r.chance(0.93) ? r.range(0, 3) : r.pick<i64>({-1, kI64Max, kI64Min});
+  const bool x_ok = is_float(x) && (x.dim() == 2 || x.dim() == 3);
+  const i64 Tx = x_ok ? x.shape()[x.dim() - 2] : T, Dx = x_ok ? x.shape()[x.dim() - 1] : 0;
+  // tables: long enough or one or two short, hs wide or not, x's dtype or not, cos and sin alike or not
+  i64 P = pos0 >= 0 && pos0 < 100 ? pos0 + Tx + r.range(0, 2) : r.range(0, 4);
+  if (r.chance(0.05)) P = std::max<i64>(0, P - r.range(1, 2));
+  const i64 W = r.chance(0.95) && hs_ok ? hs : r.pick<i64>({1, 2, 8});
+  const DType tdt = r.chance(0.04) ? other_dtype(r, dt) : dt;
+  Tensor cos = r.chance(0.02) ? Tensor() : random_tensor(r, Shape{P, W}, tdt, false);
+  Tensor sin = random_tensor(r, r.chance(0.03) ? Shape{P + 1, W} : Shape{P, W}, tdt, false);
+  INFO(Call(seed, "rope").t("x", x).t("cos", cos).t("sin", sin)("head_size", hs)("rotated", rotated)("pos0", pos0).str());
+  const Unchanged unchanged({x, cos, sin});
+  const i64 R = rotated == -1 ? Dx : rotated;
+  const bool valid = x_ok && hs > 0 && hs % 2 == 0 && Dx % hs == 0 && rotated >= -1 && R <= Dx && R % hs == 0 &&
+                     pos0 >= 0 && cos.defined() && cos.dtype() == x.dtype() && sin.dtype() == x.dtype() &&
+                     cos.dim() == 2 && cos.shape()[1] == hs && sin.shape() == cos.shape() && cos.shape()[0] - Tx >= pos0;
+  const auto y = attempt("rope", valid ? Expect::ok : Expect::error, [&] { return tg::rope(x, cos, sin, hs, rotated, pos0); });
+  const i64 rows = valid ? x.numel() / std::max<i64>(Dx, 1) : 0;
+  const std::vector<double> cv = values(cos), sv = values(sin);
+  const Ref ref = valid ? rope_ref(values(x), cv, sv, rows, Tx, Dx, hs, R, pos0, false) : Ref{};
+  std::optional<Tensor> g;
+  if (y) {
+    check_output("rope", *y, x.dtype(), x.shape(), &ref);
+    g = run_backward(r, "rope", *y, {x});
+    if (g) check_grad("rope", x, rope_ref(g->to_vector<double>(), cv, sv, rows, Tx, Dx, hs, R, pos0, true));
+  }
+  const std::vector<Tensor> fused_grads = take_grads({x});
+  const auto yc = attempt("composite::rope", valid ? Expect::ok : Expect::error,
+                          [&] { return tg::composite::rope(x, cos, sin, hs, rotated, pos0); });
+  if (!yc || !valid) return;
+  const bool comparable = all_moderate({x}, 1e6);
+  check_output("composite::rope", *yc, x.dtype(), x.shape(), comparable ? &ref : nullptr, 20);
+  const auto gc = run_backward(r, "composite::rope", *yc, {x}, false, g ? &*g : nullptr);
+  if (g && gc && comparable) check_twin_grads("rope", {x}, fused_grads, *g);
+}
+
+// rope_tables: cos and sin of p theta^(-2j / hs), both halves alike.
+void fuzz_rope_tables(Rng& r, std::uint64_t seed) {
+  const i64 P = r.chance(0.9) ? r.pick<i64>({0, 1, 3, 7}) : r.pick<i64>({-1, kI64Min});
+  const i64 hs = r.chance(0.9) ? r.pick<i64>({2, 4, 6, 8}) : r.pick<i64>({0, 1, 5, -2, kI64Min});
+  const double theta = r.chance(0.9) ? r.pick({10000.0, 500000.0, 1.0, 0.5}) : r.pick({0.0, -1.0, kInf, kNaN});
+  const DType dt = any_dtype(r, 0.1);
+  INFO(Call(seed, "rope_tables")("max_pos", P)("head_size", hs)("theta", theta)("dtype", dt).str());
+  const bool valid = P >= 0 && hs > 0 && hs % 2 == 0 && theta > 0 && std::isfinite(theta) && tg::is_floating(dt);
+  const auto t = attempt("rope_tables", valid ? Expect::ok : Expect::error, [&] { return tg::rope_tables(P, hs, theta, dt); });
+  if (!t) return;
+  Ref rc, rs;
+  for (i64 p = 0; p < P; ++p)
+    for (i64 k = 0; k < hs; ++k) {
+      const double j = static_cast<double>(k % (hs / 2));
+      const double angle = static_cast<double>(p) * std::pow(theta, -2.0 * j / static_cast<double>(hs));
+      // float32 rounds the angle to float32 first: an error of about |angle| 2^-24
+      rc.add(std::cos(angle), 1 + angle);
+      rs.add(std::sin(angle), 1 + angle);
+    }
+  check_output("rope_tables", t->first, dt, Shape{P, hs}, &rc);
+  check_output("rope_tables", t->second, dt, Shape{P, hs}, &rs, 1.0, false);
+}
+
 // prms_k: k = ceil(n p), at least 1, for p in (0, 1].
 void fuzz_prms_k(Rng& r, std::uint64_t seed) {
   // p = num / den, or a power of two (n p exact in double); the answer is computed in integers
@@ -2227,6 +2413,9 @@ const Family kFamilies[] = {
     {"attention", fuzz_attention, 600, true},
     {"prms_k", fuzz_prms_k, 200},
     {"threads", fuzz_threads, 42},
+    {"swiglu", fuzz_swiglu, 700},
+    {"rope", fuzz_rope, 1000},
+    {"rope_tables", fuzz_rope_tables, 200},
 };
 
 // Every public op of ops.h, as counted above.
@@ -2238,7 +2427,8 @@ const char* const kAllOps[] = {
     "scaled_causal_softmax", "causal_attention", "composite::layer_norm", "composite::rms_norm",
     "composite::batch_norm", "composite::weight_norm", "composite::scaled_causal_softmax",
     "composite::causal_attention", "reshape", "transpose", "permute", "slice", "cat", "split(size)",
-    "split(sizes)", "to", "clone"};
+    "split(sizes)", "to", "clone", "silu", "swiglu", "rope", "rope_tables", "composite::silu", "composite::swiglu",
+    "composite::rope"};
 
 std::uint64_t seed_of(std::size_t family, int i) { return kBaseSeed + family * 1000000ULL + static_cast<std::uint64_t>(i); }
 

@@ -320,7 +320,10 @@ TEST_CASE("rope: refuses bad shapes, head sizes, rotated, pos0 and tables, namin
   REQUIRE_ROPE_ERROR(rope(x, cos, sin, 4, 16), "rotated must be", "in [0, 12], got 16");
   REQUIRE_ROPE_ERROR(rope(x, cos, sin, 4, -2), "rotated must be", "got -2");
   REQUIRE_ROPE_ERROR(rope(x, cos, sin, 4, -1, -1), "pos0 must be >= 0", "got -1");
-  REQUIRE_ROPE_ERROR(rope(x, cos, sin, 4, -1, 4), "the tables (8, 4) hold 8 positions", "needs positions [4, 9)");
+  REQUIRE_ROPE_ERROR(rope(x, cos, sin, 4, -1, std::numeric_limits<std::int64_t>::max()), "hold 8 positions",
+                     "from pos0 9223372036854775807");
+  REQUIRE_ROPE_ERROR(rope(x, cos, sin, 4, -1, 4), "the tables (8, 4) hold 8 positions",
+                     "but x (2, 5, 12) needs 5 positions from pos0 4");
   auto [c8, s8] = rope_tables(8, 8, 10000.0, float32);
   REQUIRE_ROPE_ERROR(rope(x, c8, s8, 4), "must both be (P, head_size 4)", "cos (8, 8)");
   REQUIRE_ROPE_ERROR(rope(x, cos, slice(sin, 0, 0, 6), 4), "must both be (P, head_size 4)", "sin (6, 4)");
