@@ -56,23 +56,27 @@ CausalSelfAttention::CausalSelfAttention(std::int64_t C, std::int64_t H, bool bi
   resid_drop = register_module("resid_drop", std::make_shared<Dropout>(dropout));
 }
 
+namespace {
+
+// Multi-head causal attention over a packed qkv (B, T, 3C) -> (B, T, C): softmax(q k^T / sqrt(hs))
+// over keys j <= i, the weighted sum of v, heads merged. Without attention dropout one fused op;
+// with it, the textbook path: (B, T, 3, H, hs) -> (3, B, H, T, hs), the scores, dropout, then v.
+Tensor attend(const Tensor& packed, std::int64_t H, Dropout& attn_drop) {
+  if (attn_drop.p == 0 || !attn_drop.is_training()) return causal_attention(packed, H);  // no copies, one node
+  const std::int64_t B = packed.size(0), T = packed.size(1), C = packed.size(2) / 3, hs = C / H;
+  std::vector<Tensor> parts = split(permute(packed.reshape({B, T, 3, H, hs}), {2, 0, 3, 1, 4}), 1, 0);
+  Tensor q = parts[0].reshape({B, H, T, hs}), k = parts[1].reshape({B, H, T, hs}), v = parts[2].reshape({B, H, T, hs});
+  Tensor att = scaled_causal_softmax(matmul(q, k, false, true), 1.0 / std::sqrt(static_cast<double>(hs)));
+  return permute(matmul(attn_drop.forward(att), v), {0, 2, 1, 3}).reshape({B, T, C});
+}
+
+}  // namespace
+
 Tensor CausalSelfAttention::forward(const Tensor& x) {
   if (!x.defined() || x.dim() != 3 || x.size(2) != n_embd)
     fail("CausalSelfAttention", "expects input (B, T, ", n_embd, "), got ", x.defined() ? x.shape().str() : "undefined");
-  const std::int64_t B = x.size(0), T = x.size(1), C = n_embd, H = n_head, hs = C / H;
   Tensor packed = qkv->forward(x);  // (B, T, 3C): q, k, v side by side
-  Tensor y;
-  if (attn_drop->p == 0 || !attn_drop->is_training()) {
-    y = causal_attention(packed, H);  // fused: no copies, one node
-  } else {
-    // With attention dropout, the textbook path: (B, T, 3, H, hs) -> (3, B, H, T, hs), then
-    // softmax(q k^T / sqrt(hs)) over keys j <= i, dropout, weighted sum of v, heads merged.
-    std::vector<Tensor> parts = split(permute(packed.reshape({B, T, 3, H, hs}), {2, 0, 3, 1, 4}), 1, 0);
-    Tensor q = parts[0].reshape({B, H, T, hs}), k = parts[1].reshape({B, H, T, hs}), v = parts[2].reshape({B, H, T, hs});
-    Tensor att = scaled_causal_softmax(matmul(q, k, false, true), 1.0 / std::sqrt(static_cast<double>(hs)));
-    y = permute(matmul(attn_drop->forward(att), v), {0, 2, 1, 3}).reshape({B, T, C});
-  }
-  return resid_drop->forward(proj->forward(y));
+  return resid_drop->forward(proj->forward(attend(packed, n_head, *attn_drop)));
 }
 
 std::string CausalSelfAttention::extra_repr() const {
@@ -98,24 +102,12 @@ Block::Block(const GPTConfig& cfg, DType dtype, Tensor rope_cos, Tensor rope_sin
   mlp_drop = register_module("mlp_drop", std::make_shared<Dropout>(cfg.dropout));
 }
 
-// qkv, RoPE on q and k (llama), softmax(q k^T / sqrt(hs)) over keys j <= i, the weighted sum of v,
-// heads merged, proj.
+// qkv, RoPE on q and k (llama), causal attention, proj.
 Tensor Block::attention(const Tensor& h) {
-  const std::int64_t B = h.size(0), T = h.size(1), C = h.size(2), H = n_head_, hs = C / H;
+  const std::int64_t C = h.size(2);
   Tensor packed = qkv->forward(h);  // (B, T, 3C): q, k, v side by side
-  if (arch_ == Arch::llama) packed = rope(packed, rope_cos_, rope_sin_, hs, 2 * C);  // q and k; v as it is
-  Tensor y;
-  if (attn_drop->p == 0 || !attn_drop->is_training()) {
-    y = causal_attention(packed, H);  // fused: no copies, one node
-  } else {
-    // With attention dropout, the textbook path: (B, T, 3, H, hs) -> (3, B, H, T, hs), then
-    // softmax(q k^T / sqrt(hs)) over keys j <= i, dropout, weighted sum of v, heads merged.
-    std::vector<Tensor> parts = split(permute(packed.reshape({B, T, 3, H, hs}), {2, 0, 3, 1, 4}), 1, 0);
-    Tensor q = parts[0].reshape({B, H, T, hs}), k = parts[1].reshape({B, H, T, hs}), v = parts[2].reshape({B, H, T, hs});
-    Tensor att = scaled_causal_softmax(matmul(q, k, false, true), 1.0 / std::sqrt(static_cast<double>(hs)));
-    y = permute(matmul(attn_drop->forward(att), v), {0, 2, 1, 3}).reshape({B, T, C});
-  }
-  return proj->forward(y);
+  if (arch_ == Arch::llama) packed = rope(packed, rope_cos_, rope_sin_, C / n_head_, 2 * C);  // q and k; v as it is
+  return proj->forward(attend(packed, n_head_, *attn_drop));
 }
 
 Tensor Block::mlp(const Tensor& h) {
