@@ -9,6 +9,8 @@
 //   train    one norm (or several seeds of it)                          train_runs
 //   compare  every norm in turn, same seed, data order and weights      train_runs
 // then writes what the runs show (summary table, summary.md, chart)    write_report
+// Under mpirun (mpirun -np N train_lm ...) the N ranks train one model on slices of each batch and
+// rank 0 alone prints and writes (lm/parallel.h, docs/distributed.md).
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdlib>
@@ -17,6 +19,8 @@
 #include <iostream>
 #include <sstream>
 
+#include "lm/checkpoint.h"
+#include "lm/parallel.h"
 #include "lm/report.h"
 #include "lm/trainer.h"
 
@@ -27,7 +31,7 @@ namespace {
 // Everything the command line sets: the run's configuration and how to run it.
 struct Options {
   lm::TrainConfig c;
-  std::string norm = "rmsnorm";
+  std::string arch = "gpt", norm = "rmsnorm";
   bool compare = false, quiet = false, trace = false;
   int seeds = 1, threads = 0;
   std::string resume;  // a run directory to continue
@@ -61,6 +65,9 @@ const CLI::Validator kFraction = bound("in (0, 1]", 0, true, 1);
 void add_model_options(CLI::App& app, Options& o) {
   lm::TrainConfig& c = o.c;
   app.add_option("--data", c.data, "UTF-8 text corpus (default: $TAPEGRAD_DATA or data/tinyshakespeare.txt)");
+  app.add_option("--arch", o.arch, "gpt (learned positions, GELU MLP, tied head) or llama (RoPE, SwiGLU, untied head)")
+      ->check(CLI::IsMember({"gpt", "llama"}))
+      ->capture_default_str();
   app.add_option("--norm", o.norm, "layernorm|rmsnorm|prmsnorm|batchnorm|none")
       ->check(CLI::IsMember({"layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none"}))
       ->capture_default_str();
@@ -93,7 +100,10 @@ void add_training_options(CLI::App& app, Options& o) {
   app.add_option("--threads", o.threads, "threads (default: all cores)")->check(bound("at least 1", 1, false));
   app.add_option("--out", c.out, "output directory (metrics, summary, chart, samples, checkpoints)");
   app.add_option("--resume", o.resume, "continue the run whose checkpoint is in DIR (written by an earlier --out DIR)");
-  app.add_option("--sample", c.sample, "characters to generate after training")->check(kNonNegative);
+  app.add_option("--sample", c.sample,
+                 "characters to generate after training (with --resume of a finished run: without training, on stdout)")
+      ->check(kNonNegative);
+  app.add_option("--prompt", c.prompt, "text the sample starts from (default: the corpus's first character)");
   app.add_option("--temperature", c.temperature, "sampling temperature")->check(kPositive)->capture_default_str();
   app.add_option("--top-k", c.top_k, "sample among the k most likely characters (0: all)")->check(kNonNegative)->capture_default_str();
   app.add_option("--precision", c.precision,
@@ -111,12 +121,13 @@ void add_training_options(CLI::App& app, Options& o) {
 
 // Parses the command line into o and checks what the flags alone cannot (the model's own
 // constraints), before anything is printed or read. Returns -1 to go on, else the exit code:
-// 0 after --help, 2 after one line on stderr.
-int parse(CLI::App& app, Options& o, int argc, char** argv) {
+// 0 after --help, 2 with the reason in `error` (lm::Job::settle_parse prints it).
+int parse(CLI::App& app, Options& o, int argc, char** argv, std::string& error) {
   try {
     app.parse(argc, argv);
     if (!o.resume.empty() && (o.compare || o.seeds > 1))
       throw CLI::ValidationError("--resume", "continues one run; not with --compare or --seeds");
+    o.c.model.arch = tg::nn::parse_arch(o.arch);
     tg::nn::GPTConfig check = o.c.model;
     check.vocab_size = 1;
     check.validate();
@@ -125,13 +136,19 @@ int parse(CLI::App& app, Options& o, int argc, char** argv) {
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::cerr << "train_lm: error: " << e.what() << "\n";
+    error = e.what();
     return 2;
   } catch (const tg::Error& e) {
-    std::cerr << "train_lm: error: " << e.what() << "\n";
+    error = e.what();
     return 2;
   }
   return -1;
+}
+
+// What every rank of a data-parallel job must be given alike: the configuration and the mode.
+std::string options_text(const Options& o) {
+  return lm::with_keys(lm::config_json(o.c), {{"out", o.c.out}, {"resume", o.resume}, {"compare", o.compare ? "1" : "0"},
+                                              {"seeds", std::to_string(o.seeds)}, {"trace", o.trace ? "1" : "0"}});
 }
 
 Mode pick_mode(const Options& o) {
@@ -143,6 +160,7 @@ Mode pick_mode(const Options& o) {
 // Builds the model, records the forward pass of one batch on the tape, prints the tape (and with
 // --out writes it as Graphviz DOT), then runs the backward pass.
 void trace_one_step(const Options& o) {
+  if (lm::job_size() > 1) lm::fail_job("trace", "prints the tape of one process: run it without mpirun");
   lm::TrainConfig c = o.c;
   lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
   c.model.vocab_size = corpus.vocab_size();
@@ -152,7 +170,7 @@ void trace_one_step(const Options& o) {
   tg::Tensor x, y;
   lm::sample_batch(corpus.train, c.batch_size, c.model.block_size, g, x, y);
   tg::Tensor loss = model.loss(x, y);
-  std::cout << "One training step of the " << o.norm << " GPT (batch " << c.batch_size << ", context "
+  std::cout << "One training step of the " << o.norm << " " << o.arch << " model (batch " << c.batch_size << ", context "
             << c.model.block_size << ", width " << c.model.n_embd << "), as recorded on the tape:\n";
   tg::tape().print(std::cout);
   if (!c.out.empty()) {
@@ -173,11 +191,34 @@ lm::RunResult resume_run(const Options& o, const CLI::App& app) {
   r.progress = o.c.progress;
   r.detect_anomaly = o.c.detect_anomaly;
   r.sample = o.c.sample;
+  r.prompt = o.c.prompt;
   r.temperature = o.c.temperature;
   r.top_k = o.c.top_k;
   lm::Corpus corpus = lm::load_corpus(r.data, r.model.block_size);
   std::cerr << "resuming " << o.resume << " (" << tg::nn::to_string(r.model.norm) << ") up to step " << r.steps << "\n";
   return lm::train(r, corpus, true);
+}
+
+// Samples from the finished run in o.resume without training or writing anything: its
+// checkpoint's weights, configuration and vocabulary; the prompt, then --sample characters, on
+// stdout. False when the run is not finished (it then resumes).
+bool sample_finished_run(const Options& o, const CLI::App& app) {
+  lm::TrainConfig r = lm::read_checkpoint_config(o.resume);
+  if (app.count("--steps")) r.steps = o.c.steps;
+  lm::Checkpoint ck = lm::read_checkpoint(o.resume, r.model);
+  if (static_cast<std::int64_t>(lm::meta_u64(ck.meta, "step", ck.file)) < r.steps) return false;
+  const lm::Corpus vocab = lm::vocabulary_only(ck.meta["vocab"]);
+  const std::vector<std::int32_t> prompt = vocab.encode(o.c.prompt.empty() ? "\n" : o.c.prompt);
+  if (prompt.empty()) tg::fail("prompt", "is empty");
+  tg::nn::GPT model(r.model);
+  tg::StateDict weights;
+  for (const auto& [k, t] : ck.tensors)
+    if (k.rfind("model.", 0) == 0) weights.insert(k.substr(6), t);
+  model.load_state_dict(weights);
+  tg::Generator g(r.seed + 2);
+  const auto ids = model.generate(prompt, o.c.sample, o.c.temperature, o.c.top_k, &g);
+  if (lm::job_rank() == 0) std::cout << vocab.decode(prompt) << vocab.decode(ids) << std::endl;
+  return true;
 }
 
 // Trains each norm of kinds over o.seeds seeds, in turn, on the same corpus. With several runs
@@ -186,7 +227,8 @@ std::vector<lm::RunResult> train_runs(const Options& o, const std::vector<tg::nn
   const lm::TrainConfig& c = o.c;
   lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
   std::cerr << "corpus " << c.data << ": " << corpus.train.size() + corpus.val.size() << " characters, vocabulary "
-            << corpus.vocab_size() << "; " << tg::get_num_threads() << " threads\n";
+            << corpus.vocab_size() << "; " << tg::get_num_threads() << " threads"
+            << (lm::job_size() > 1 ? " per rank, " + std::to_string(lm::job_size()) + " ranks" : "") << "\n";
   std::vector<lm::RunResult> runs;
   for (auto kind : kinds)
     for (int s = 0; s < o.seeds; ++s) {
@@ -209,7 +251,7 @@ std::vector<lm::RunResult> train_runs(const Options& o, const std::vector<tg::nn
 // The settings line of summary.md.
 std::string settings_line(const lm::TrainConfig& s0) {
   std::ostringstream settings;
-  settings << "Settings: " << s0.model.n_layer << " layers, " << s0.model.n_head << " heads, width " << s0.model.n_embd
+  settings << "Settings: arch " << tg::nn::to_string(s0.model.arch) << ", " << s0.model.n_layer << " layers, " << s0.model.n_head << " heads, width " << s0.model.n_embd
            << ", context " << s0.model.block_size << ", batch " << s0.batch_size << ", " << s0.steps
            << " steps, AdamW lr " << s0.lr << " -> " << s0.min_lr << " (warmup " << s0.warmup << "), weight decay "
            << s0.weight_decay << ", grad clip " << s0.grad_clip << ", seed " << s0.seed << ", " << tg::get_num_threads()
@@ -230,12 +272,14 @@ void write_combined_metrics(const fs::path& file, const std::vector<lm::RunResul
 // The summary table on stdout; with an output directory also summary.md, the val-loss chart and,
 // for several runs, the combined metrics.csv.
 void write_report(const Options& o, const std::vector<lm::RunResult>& runs) {
+  if (lm::job_rank() != 0) return;  // rank 0 writes for the job
   std::cout << "\n" << lm::summary_table(runs);
   const fs::path top = o.resume.empty() ? fs::path(o.c.out) : fs::path(o.resume);
   if (top.empty()) return;
   fs::create_directories(top);
   std::ofstream(top / "summary.md") << lm::summary_markdown(runs, settings_line(o.c));
-  std::ofstream(top / "val_loss.svg") << lm::val_loss_svg(runs, "Validation loss by normalisation");
+  const std::string arch = runs.empty() ? o.arch : runs.front().arch;
+  std::ofstream(top / "val_loss.svg") << lm::val_loss_svg(runs, "Validation loss by normalisation (" + arch + ")");
   if (o.compare || o.seeds > 1) write_combined_metrics(top / "metrics.csv", runs);
   std::cout << "\nsummary: " << (top / "summary.md").string() << "\nchart:   " << (top / "val_loss.svg").string() << "\n";
 }
@@ -247,7 +291,10 @@ void run(Mode mode, const Options& o, const CLI::App& app) {
   std::vector<lm::RunResult> runs;
   switch (mode) {
     case Mode::trace: trace_one_step(o); return;
-    case Mode::resume: runs.push_back(resume_run(o, app)); break;
+    case Mode::resume:
+      if (o.c.sample > 0 && sample_finished_run(o, app)) return;
+      runs.push_back(resume_run(o, app));
+      break;
     case Mode::train: runs = train_runs(o, {o.c.model.norm}); break;
     case Mode::compare:
       runs = train_runs(o, {NormKind::layernorm, NormKind::rmsnorm, NormKind::prmsnorm, NormKind::batchnorm,
@@ -260,6 +307,7 @@ void run(Mode mode, const Options& o, const CLI::App& app) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  lm::Job job(&argc, &argv, "train_lm");  // MPI under mpirun; then rank 0 alone prints
   Options o;
   const char* env_data = std::getenv("TAPEGRAD_DATA");
   o.c.data = env_data ? env_data : "data/tinyshakespeare.txt";
@@ -271,16 +319,16 @@ int main(int argc, char** argv) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   add_model_options(app, o);
   add_training_options(app, o);
-  if (const int rc = parse(app, o, argc, argv); rc >= 0) return rc;
+  std::string error;
+  if (const int rc = job.settle_parse(parse(app, o, argc, argv, error), error); rc >= 0) return rc;
 
   try {
+    lm::agree("options", options_text(o));  // ranks given different command lines stop here
     run(pick_mode(o), o, app);
     return 0;
   } catch (const tg::Error& e) {
-    std::cerr << "train_lm: error: " << e.what() << "\n";
-    return 2;
+    return job.fail(e, 2);  // under mpirun, an error of one rank alone ends the job
   } catch (const std::exception& e) {
-    std::cerr << "train_lm: error: " << e.what() << "\n";
-    return 1;
+    return job.fail(e, 1);
   }
 }

@@ -53,20 +53,23 @@ TrainConfig checked(const TrainConfig& in, const Corpus& corpus) {
 std::uint64_t batch_seed(std::uint64_t seed) { return Generator::bits(seed, 0x5eedba7c); }
 
 // Mean loss over eval_iters batches of a split, from a generator seeded afresh every time (so
-// every evaluation of a run, and of every norm, sees the same batches).
-double estimate_loss(nn::GPT& model, const std::vector<std::int32_t>& split, const TrainConfig& c) {
+// every evaluation of a run, and of every norm, sees the same batches). In a data-parallel run
+// each rank takes its slice of every batch, with rank 0's buffers, and the ranks' means average.
+double estimate_loss(nn::GPT& model, const std::vector<std::int32_t>& split, const TrainConfig& c, DataParallel& par) {
   Generator g(c.seed + 1);
   NoGradGuard ng;
+  par.sync_buffers();
   AutocastGuard autocast(c.precision == "bf16");  // as the reference evaluates
   model.eval();
   double s = 0;
   Tensor x, y;
   for (std::int64_t i = 0; i < c.eval_iters; ++i) {
     sample_batch(split, c.batch_size, c.model.block_size, g, x, y);
+    par.take_slice(x, y);
     s += model.loss(x, y).item();
   }
   model.train();
-  return s / static_cast<double>(c.eval_iters);
+  return par.mean(s) / static_cast<double>(c.eval_iters);
 }
 
 void write_atomic(const fs::path& path, const std::string& text) {
@@ -155,9 +158,11 @@ Trainer::Trainer(const TrainConfig& cfg, const Corpus& corpus, bool resume)
       batch_gen_(batch_seed(cfg_.seed)) {
   Checkpoint ck;
   if (resume_) ck = read_checkpoint(cfg_.out, cfg_.model);  // checked before anything is built
+  DataParallel::only_rank0_writes(cfg_);
   build_model();
   if (!cfg_.out.empty()) fs::create_directories(cfg_.out);
   if (resume_) restore(ck);
+  par_ = std::make_unique<DataParallel>(*model_, cfg_, step_, batch_gen_);  // refuses ranks that differ
   r_.start_step = step_;
   open_logs();
   tty_ = cfg_.progress && isatty(STDERR_FILENO);
@@ -178,6 +183,7 @@ void Trainer::build_model() {
   if (!no_decay.empty()) groups.push_back({no_decay, cfg_.lr, 0.0});
   opt_ = std::make_unique<optim::AdamW>(groups, cfg_.lr, cfg_.beta1, cfg_.beta2, 1e-8, cfg_.weight_decay);
   params_ = model_->parameters();
+  r_.arch = nn::to_string(cfg_.model.arch);
   r_.norm = norm_;
   r_.seed = cfg_.seed;
   r_.parameters = model_->num_parameters();
@@ -191,7 +197,7 @@ void Trainer::restore(Checkpoint& ck) {
   if (meta["vocab"] != corpus_.vocab_utf8())
     fail("resume", "the corpus '", corpus_.path, "' has a different vocabulary from the checkpoint's");
   StateDict msd, osd;
-  for (const auto& [k, t] : ck.tensors) {
+  for (const auto& [k, t] : ck.tensors) {  // model names already upgraded by read_checkpoint
     if (k.rfind("model.", 0) == 0) msd.insert(k.substr(6), t);
     else if (k.rfind("optim.", 0) == 0) osd.insert(k.substr(6), t);
   }
@@ -212,6 +218,7 @@ void Trainer::open_logs() {
   if (cfg_.out.empty()) return;
   metrics_ = open_log(fs::path(cfg_.out) / "metrics.csv", kMetricsHeader, resume_, step_);
   steplog_ = open_log(fs::path(cfg_.out) / "train_log.csv", kStepLogHeader, resume_, step_);
+  steplog_.precision(9);  // losses to about 1e-8: runs compare step by step (e.g. at different world sizes)
 }
 
 // ---- one training step ----
@@ -221,19 +228,22 @@ double Trainer::train_step() {
   lr_ = schedule_(step_);
   opt_->set_lr(lr_);
   sample_batch(corpus_.train, cfg_.batch_size, cfg_.model.block_size, batch_gen_, x_, y_);
+  par_->take_slice(x_, y_);  // this rank's rows of the global batch
   Tensor loss;
   double gnorm = 0;
   {
     DetectAnomalyGuard anomaly(cfg_.detect_anomaly);
     {
       AutocastGuard autocast(cfg_.precision == "bf16");  // the backward follows what the forward recorded
+      DataParallel::ForwardScope shard = par_->forward_scope();
       op_timing_mark();  // with op timing on (bench_train --profile), the forward starts here
       loss = model_->loss(x_, y_);
     }
-    loss_ = loss.item();
+    loss_ = par_->mean(loss.item());  // the global batch's loss, on every rank
     if (std::isfinite(loss_)) {
       opt_->zero_grad();
       loss.backward();
+      par_->finish_gradients();  // averaged over the ranks
       gnorm = cfg_.grad_clip > 0 ? optim::clip_grad_norm(params_, cfg_.grad_clip) : non_finite_gradient(params_);
     }
   }
@@ -243,9 +253,10 @@ double Trainer::train_step() {
     // first produced a NaN or Inf (its forward, or its backward when only the gradients blew up).
     loss = Tensor();
     tape().clear();
+    DataParallel::Local local(*par_);  // the re-run stays on this rank
     const std::string what = std::isfinite(loss_) ? "the gradient norm became " + std::to_string(gnorm)
                                                   : "the loss became " + std::to_string(loss_);
-    fail("train", norm_, ": ", what, " at step ", step_ + 1, " (", locate_anomaly(*model_, x_, y_),
+    fail_job("train", norm_, ": ", what, " at step ", step_ + 1, " (", locate_anomaly(*model_, x_, y_),
          "); the last checkpoint", cfg_.out.empty() ? std::string(" (none: no --out)") : " in '" + cfg_.out + "'",
          " is kept");
   }
@@ -264,8 +275,8 @@ bool Trainer::eval_due() const { return step_ % cfg_.eval_interval == 0 || step_
 
 EvalPoint Trainer::evaluate() {
   return EvalPoint{step_,
-                   estimate_loss(*model_, corpus_.train, cfg_),
-                   estimate_loss(*model_, corpus_.val, cfg_),
+                   estimate_loss(*model_, corpus_.train, cfg_, *par_),
+                   estimate_loss(*model_, corpus_.val, cfg_, *par_),
                    lr_,
                    median_ms(),
                    tokens_per_step_ / median_ms() * 1e3};
@@ -334,6 +345,8 @@ void Trainer::finish() {
   r_.ms_per_step_median = median_ms();
   r_.tokens_per_s = tokens_per_step_ / r_.ms_per_step_median * 1e3;
   r_.peak_rss_mb = peak_rss_mb();
+  r_.world_size = job_size();
+  r_.comm = par_->comm_summary();
   if (!r_.evals.empty()) {
     r_.final_train = r_.evals.back().train_loss;
     r_.final_val = r_.evals.back().val_loss;
@@ -343,15 +356,17 @@ void Trainer::finish() {
 void Trainer::sample() {
   if (cfg_.sample <= 0) return;
   Generator g(cfg_.seed + 2);
-  auto ids = model_->generate({corpus_.train[0]}, cfg_.sample, cfg_.temperature, cfg_.top_k, &g);
-  r_.sample_text = corpus_.decode(ids);
+  const std::vector<std::int32_t> prompt =
+      cfg_.prompt.empty() ? std::vector<std::int32_t>{corpus_.train[0]} : corpus_.encode(cfg_.prompt);
+  auto ids = model_->generate(prompt, cfg_.sample, cfg_.temperature, cfg_.top_k, &g);
+  r_.sample_text = corpus_.decode(prompt) + corpus_.decode(ids);
   if (!cfg_.out.empty()) write_atomic(fs::path(cfg_.out) / "samples.txt", r_.sample_text + "\n");
 }
 
 void Trainer::save_model() {
   if (cfg_.out.empty()) return;
-  save_safetensors((fs::path(cfg_.out) / "model.safetensors").string(), model_->state_dict(),
-                   {{"config", config_json(cfg_)}, {"vocab", corpus_.vocab_utf8()}});
+  save_safetensors((fs::path(cfg_.out) / "model.safetensors").string(), export_state_dict(*model_),
+                   {{"format", kModelFormat}, {"config", config_json(cfg_)}, {"vocab", corpus_.vocab_utf8()}});
 }
 
 // ---- the whole run ----

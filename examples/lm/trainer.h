@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "lm/corpus.h"
+#include "lm/parallel.h"
 
 namespace lm {
 
@@ -49,6 +50,7 @@ struct TrainConfig {
   std::string out;                // run directory ("" = nothing written)
   bool checkpoints = true;
   std::int64_t sample = 0;        // characters generated after training
+  std::string prompt;             // the sample's start ("" = the corpus's first character)
   double temperature = 0.8;
   std::int64_t top_k = 40;
   bool progress = true;           // a live line on a terminal, log lines otherwise
@@ -62,7 +64,7 @@ struct EvalPoint {
 };
 
 struct RunResult {
-  std::string norm;
+  std::string arch, norm;
   std::uint64_t seed = 0;
   std::int64_t parameters = 0;
   std::vector<EvalPoint> evals;
@@ -71,6 +73,8 @@ struct RunResult {
   double final_train = NAN, final_val = NAN, best_val = NAN;
   std::string sample_text;
   std::int64_t start_step = 0;
+  int world_size = 1;             // ranks of a data-parallel run (mpirun -np N; lm/parallel.h)
+  CommSummary comm;               // its gradient communication per step (zeros in one process)
 };
 
 // One training run, step by step. Every step throws tg::Error on bad configuration, data or
@@ -115,10 +119,11 @@ class Trainer {
   // Ends the training loop: closes the progress line, takes the median step time, tokens/s, peak
   // memory and the final losses.
   void finish();
-  // Generates cfg.sample characters from the trained model (its own generator, so sampling does
-  // not disturb training) into samples.txt and the result.
+  // Generates cfg.sample characters after cfg.prompt from the trained model (its own generator, so
+  // sampling does not disturb training) into samples.txt and the result, the prompt first.
   void sample();
-  // The final weights, with the configuration and the vocabulary, in model.safetensors.
+  // The final weights in model.safetensors, under the reference model's names (PyTorch loads them
+  // as they are: docs/pytorch.md), with a format tag, the configuration and the vocabulary.
   void save_model();
   const RunResult& result() const { return r_; }
 
@@ -135,6 +140,7 @@ class Trainer {
   // Built in the constructor's body: after the checkpoint is checked and the seed is set.
   std::unique_ptr<tg::nn::GPT> model_;
   std::unique_ptr<tg::optim::AdamW> opt_;
+  std::unique_ptr<DataParallel> par_;  // this rank's replica (a world of one without mpirun)
   tg::optim::WarmupCosineLR schedule_;
   std::vector<tg::Tensor> params_;
   tg::Generator batch_gen_;
