@@ -49,8 +49,8 @@ std::string loss_cell(const std::vector<double>& v) {
 
 std::string summary_table(const std::vector<RunResult>& runs) {
   std::ostringstream s;
-  s << "| norm | params | seeds | final val loss | best val loss | final train loss | ms/step | tokens/s | peak RSS MiB |\n"
-    << "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  s << "| arch | norm | params | seeds | final val loss | best val loss | final train loss | ms/step | tokens/s | peak RSS MiB |\n"
+    << "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const auto& [norm, rs] : by_norm(runs)) {
     std::vector<double> fv, bv, ft, ms, tps, mem;
     for (const RunResult* r : rs) {
@@ -61,7 +61,7 @@ std::string summary_table(const std::vector<RunResult>& runs) {
       tps.push_back(r->tokens_per_s);
       mem.push_back(r->peak_rss_mb);
     }
-    s << "| " << norm << " | " << rs.front()->parameters << " | " << rs.size() << " | " << loss_cell(fv) << " | "
+    s << "| " << rs.front()->arch << " | " << norm << " | " << rs.front()->parameters << " | " << rs.size() << " | " << loss_cell(fv) << " | "
       << loss_cell(bv) << " | " << loss_cell(ft) << " | " << fmt("%.1f", mean_sd(ms).first) << " | "
       << fmt("%.0f", mean_sd(tps).first) << " | " << fmt("%.0f", mean_sd(mem).first) << " |\n";
   }
@@ -70,7 +70,9 @@ std::string summary_table(const std::vector<RunResult>& runs) {
 
 std::string summary_markdown(const std::vector<RunResult>& runs, const std::string& settings) {
   std::ostringstream s;
-  s << "# Norm comparison: character-level GPT\n\n" << settings << "\n\n" << summary_table(runs) << "\n";
+  const std::string arch = runs.empty() ? "gpt" : runs.front().arch;
+  s << "# Norm comparison: character-level " << (arch == "llama" ? "LLaMA-style transformer (llama)" : "GPT (gpt)")
+    << "\n\n" << settings << "\n\n" << summary_table(runs) << "\n";
   s << "Chart of the validation loss: `val_loss.svg`. Every evaluation: `metrics.csv`; every step: "
        "`<norm>/train_log.csv`.\n\n"
     << "## Reading this table\n\n"
@@ -85,6 +87,10 @@ std::string summary_markdown(const std::vector<RunResult>& runs, const std::stri
        "norms', whose output for a position depends on that position's activations only.\n"
     << "- pRMSNorm estimates the RMS from the first k = ceil(n p) features only; `none` has no normalisation "
        "at all (the paper's Transformer failed to train without it; at this depth it usually trains, worse).\n";
+  if (arch == "llama")
+    s << "- In the llama arch every norm sits where LLaMA has RMSNorm (before attention, before the MLP, before "
+         "the head); LayerNorm and BatchNorm carry a bias there, which LLaMA's RMSNorm has not, so their "
+         "parameter counts are larger. RoPE, SwiGLU and the untied head are the same for every norm.\n";
   return s.str();
 }
 

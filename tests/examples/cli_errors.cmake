@@ -23,3 +23,26 @@ expect_error(--data ${WORK_DIR}/ok.txt --bogus-flag)
 expect_error(--data ${WORK_DIR}/ok.txt --lr abc)
 expect_error(--data ${WORK_DIR}/ok.txt --dropout 1)
 expect_error(--data ${WORK_DIR}/ok.txt --resume ${WORK_DIR}/nowhere)
+expect_error(--data ${WORK_DIR}/ok.txt --arch bert)
+expect_error(--data ${WORK_DIR}/ok.txt --arch llama --n-embd 12 --n-head 4)
+
+# A finished run samples without training, from its prompt; a prompt the vocabulary cannot spell
+# is one error line.
+set(run ${WORK_DIR}/finished_llama)
+file(REMOVE_RECURSE ${run})
+execute_process(COMMAND ${TRAIN_LM} --data ${WORK_DIR}/ok.txt --arch llama --steps 3 --n-layer 1 --n-embd 16
+                        --n-head 2 --block-size 8 --batch-size 2 --eval-iters 1 --quiet --out ${run}
+                RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "training the small llama failed (${rc}): ${err}")
+endif()
+file(TIMESTAMP ${run}/checkpoint.safetensors before)
+execute_process(COMMAND ${TRAIN_LM} --resume ${run} --sample 20 --prompt "a small"
+                RESULT_VARIABLE rc OUTPUT_VARIABLE text ERROR_VARIABLE err)
+file(TIMESTAMP ${run}/checkpoint.safetensors after)
+string(LENGTH "${text}" n)
+if(NOT rc EQUAL 0 OR NOT text MATCHES "^a small" OR n LESS 27 OR NOT before STREQUAL after)
+  message(FATAL_ERROR "--resume --sample --prompt: exit ${rc}, ${n} characters '${text}', checkpoint ${before} -> ${after}: ${err}")
+endif()
+message(STATUS "train_lm --resume ${run} --sample 20 --prompt 'a small' -> ${text}")
+expect_error(--resume ${run} --sample 20 --prompt "ROMEO")

@@ -30,14 +30,23 @@ using lmtest::tiny;
 
 }  // namespace
 
-TEST_CASE("a run stopped at step 100 and resumed equals one run of 200 steps, bit for bit", "[lm]") {
+TEST_CASE("a run stopped at step 100 and resumed equals one run of 200 steps, bit for bit, in both archs", "[lm]") {
   const fs::path dir = scratch("resume");
   const std::string data = make_corpus(dir);
   lm::Corpus corpus = lm::load_corpus(data, 16);
-  for (auto [kind, precision] : {std::pair{nn::NormKind::rmsnorm, "float32"}, std::pair{nn::NormKind::batchnorm, "float32"},
-                                 std::pair{nn::NormKind::rmsnorm, "bf16"}}) {
-    INFO(nn::to_string(kind) << ' ' << precision);
+  struct Case {
+    nn::Arch arch;
+    nn::NormKind kind;
+    const char* precision;
+  };
+  for (auto [arch, kind, precision] : {Case{nn::Arch::gpt, nn::NormKind::rmsnorm, "float32"},
+                                       Case{nn::Arch::gpt, nn::NormKind::batchnorm, "float32"},
+                                       Case{nn::Arch::gpt, nn::NormKind::rmsnorm, "bf16"},
+                                       Case{nn::Arch::llama, nn::NormKind::rmsnorm, "float32"},
+                                       Case{nn::Arch::llama, nn::NormKind::layernorm, "bf16"}}) {
+    INFO(nn::to_string(arch) << ' ' << nn::to_string(kind) << ' ' << precision);
     lm::TrainConfig c = tiny(data);
+    c.model.arch = arch;
     c.model.norm = kind;
     c.precision = precision;
     c.out = (dir / "straight").string();
@@ -50,7 +59,8 @@ TEST_CASE("a run stopped at step 100 and resumed equals one run of 200 steps, bi
     lm::RunResult a = lm::train(first, corpus);
     lm::TrainConfig second = lm::read_checkpoint_config(first.out);
     CHECK(second.steps == 100);
-    CHECK(second.precision == precision);  // a resumed run keeps its precision
+    CHECK(second.precision == precision);  // a resumed run keeps its precision and arch
+    CHECK(second.model.arch == arch);
     second.steps = 200;
     second.out = first.out;
     second.progress = false;
@@ -64,7 +74,14 @@ TEST_CASE("a run stopped at step 100 and resumed equals one run of 200 steps, bi
     CHECK(joined == straight.step_loss);
     CHECK(straight.final_val == b.final_val);
     // the final weights are identical too
-    StateDict w1 = load_safetensors((dir / "straight" / "model.safetensors").string());
+    Metadata meta;
+    StateDict w1 = load_safetensors((dir / "straight" / "model.safetensors").string(), &meta);
+    CHECK(meta["format"] == "tapegrad-lm-model-1");
+    CHECK(meta["config"].find(std::string("\"arch\":\"") + nn::to_string(arch) + "\"") != std::string::npos);
+    // under the reference's names; a tied head once, as head.weight (as PyTorch's save_model)
+    CHECK(w1.contains("head.weight"));
+    CHECK(w1.contains("wte.weight") == (arch == nn::Arch::llama));
+    CHECK(w1.contains("blocks.0.qkv.weight"));
     StateDict w2 = load_safetensors((dir / "split" / "model.safetensors").string());
     for (const auto& [k, t] : w1) CHECK(tgtest::max_abs_diff(t, w2.at(k)) == 0.0);
     // metrics.csv has every evaluation once, in order
@@ -192,6 +209,7 @@ TEST_CASE("the summary and the chart show every norm", "[lm]") {
   for (const char* n : {"layernorm", "rmsnorm"})
     for (int s = 0; s < 2; ++s) {
       lm::RunResult r;
+      r.arch = "llama";
       r.norm = n;
       r.seed = static_cast<std::uint64_t>(s);
       r.parameters = 100;
@@ -202,10 +220,11 @@ TEST_CASE("the summary and the chart show every norm", "[lm]") {
       runs.push_back(r);
     }
   const std::string table = lm::summary_table(runs);
-  CHECK(table.find("| layernorm | 100 | 2 | 2.1500 ± 0.0707 |") != std::string::npos);
+  CHECK(table.find("| llama | layernorm | 100 | 2 | 2.1500 ± 0.0707 |") != std::string::npos);
   CHECK(table.find("| rmsnorm |") != std::string::npos);
   const std::string md = lm::summary_markdown(runs, "Settings: test.");
   CHECK(md.find("BatchNorm is not comparable") != std::string::npos);
+  CHECK(md.find("# Norm comparison: character-level LLaMA-style transformer (llama)") == 0);
   const std::string svg = lm::val_loss_svg(runs, "Validation loss");
   CHECK(svg.rfind("<svg", 0) == 0);
   CHECK(std::count(svg.begin(), svg.end(), '\n') > 20);
