@@ -1,6 +1,8 @@
 # Sourced by scripts/test, scripts/demo and scripts/bench: installs the Debian packages the build
 # needs when any is missing (apt-get; through sudo when not root). Nothing else is assumed.
-TAPEGRAD_DEPS=(cmake ninja-build g++ pkg-config libopenblas-openmp-dev catch2 nlohmann-json3-dev libcli11-dev libbenchmark-dev)
+# libopenmpi-dev and openmpi-bin: tapegrad::dist and mpirun (data parallelism; its tests run under mpirun).
+TAPEGRAD_DEPS=(cmake ninja-build g++ pkg-config libopenblas-openmp-dev catch2 nlohmann-json3-dev libcli11-dev libbenchmark-dev
+               libopenmpi-dev openmpi-bin)
 
 tapegrad_install_deps() {
   local missing=() p
