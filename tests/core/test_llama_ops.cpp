@@ -220,7 +220,7 @@ TEST_CASE("rope: a hand-worked example, hs = 4 at positions 0 and 1") {
   CHECK(y56.at({0, 2}) == Approx(3 * c5 + 1 * s5).epsilon(1e-14));
 }
 
-TEST_CASE("rope: a rotation; q . k depends on the positions through p - p' alone") {
+TEST_CASE("rope: a rotation, and q . k depends on the positions through p - p' alone") {
   const std::int64_t hs = 8;
   auto [cos, sin] = rope_tables(20, hs, 10000.0, float64);
   Tensor q = param64({1, hs}, 20).detach(), k = param64({1, hs}, 21).detach();
