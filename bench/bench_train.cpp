@@ -4,6 +4,11 @@
 //   arch, autocast, params
 // and with --sample-tokens N the sampling speed of the model's generate, with and without its
 // KV cache (sample_tokens_per_s, sample_uncached_tokens_per_s: N tokens after a one-token prompt).
+// Under mpirun (mpirun -np N bench_train ...) the ranks train data-parallel as train_lm does, and
+// rank 0 adds world_size (as the reference under --ddp) and the gradients' reduction per step
+// (medians; docs/distributed.md): comm_buckets, comm_mb, comm_ms (in flight), comm_overlapped_ms
+// (of it, hidden behind the backward), comm_exposed_ms (waited for after the backward), and
+// allreduce_ms (one blocking all-reduce of every gradient, alone).
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
@@ -29,6 +34,7 @@ std::pair<double, double> sampling_speed(lm::TrainConfig c, const lm::Corpus& co
 }
 
 int main(int argc, char** argv) {
+  lm::Job job(&argc, &argv, "bench_train");  // MPI under mpirun; then rank 0 alone prints
   lm::TrainConfig c;
   std::string norm = "rmsnorm", arch = "gpt";
   std::int64_t sample_tokens = 0;
@@ -51,6 +57,9 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", c.batch_size)->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--eval-iters", c.eval_iters, "batches per split for the final loss estimate (0: skip)")->capture_default_str();
   app.add_option("--seed", c.seed)->capture_default_str();
+  double bucket_kb = 1024;
+  app.add_option("--bucket-kb", bucket_kb, "under mpirun: gradient bucket size in KiB (tg::dist::DDPOptions)")
+      ->check(CLI::PositiveNumber)->capture_default_str();
   bool profile = false;
   app.add_flag("--profile", profile, "time every op (tg::set_op_timing) and add ms per step by op to the JSON (\"ops\")");
   app.add_option("--precision", c.precision, "float32|bf16 (tg::AutocastGuard around forward and loss)")
@@ -65,6 +74,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (threads > 0) tg::set_num_threads(threads);
+    lm::set_bucket_cap_bytes(static_cast<std::size_t>(bucket_kb * 1024));
     c.model.norm = tg::nn::parse_norm_kind(norm);
     c.model.arch = tg::nn::parse_arch(arch);
     c.progress = false;
@@ -94,6 +104,15 @@ int main(int argc, char** argv) {
     j["arch"] = arch;
     j["autocast"] = c.precision == "bf16" ? "bf16" : "none";
     j["params"] = r.parameters;
+    j["world_size"] = r.world_size;  // tokens_per_s counts the global batch, as the reference's
+    if (r.world_size > 1) {
+      j["comm_buckets"] = r.comm.buckets;
+      j["comm_mb"] = num(r.comm.bytes / 1e6, 3);
+      j["comm_ms"] = num(r.comm.comm_ms, 3);
+      j["comm_overlapped_ms"] = num(r.comm.overlapped_ms, 3);
+      j["comm_exposed_ms"] = num(r.comm.exposed_ms, 3);
+      j["allreduce_ms"] = num(lm::time_all_reduce(r.parameters, 20), 3);  // every rank takes part
+    }
     if (sample_tokens > 0) {
       const auto [cached, uncached] = sampling_speed(c, corpus, sample_tokens);
       j["sample_tokens_per_s"] = num(cached, 1);
@@ -108,7 +127,6 @@ int main(int argc, char** argv) {
     std::cout << j.dump() << std::endl;
     return 0;
   } catch (const std::exception& e) {
-    std::cerr << "bench_train: error: " << e.what() << "\n";
-    return 2;
+    return job.fail(e, 2);  // under mpirun, an error of one rank alone ends the job
   }
 }

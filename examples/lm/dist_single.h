@@ -27,9 +27,14 @@ struct CommStats {
   double comm_s = 0, overlapped_s = 0, exposed_s = 0;
 };
 
+struct DDPOptions {
+  std::size_t bucket_cap_bytes = std::size_t(1) << 20;
+  bool broadcast_buffers = true;
+};
+
 class DistributedDataParallel {
  public:
-  explicit DistributedDataParallel(nn::Module&) {}
+  explicit DistributedDataParallel(nn::Module&, DDPOptions = {}) {}
   void sync_buffers() {}
   void finish_gradient_sync() {}
   class NoSync {

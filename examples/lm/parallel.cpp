@@ -170,8 +170,14 @@ std::string with_keys(const std::string& json_object, const std::vector<std::pai
 
 // ---- one replica ----
 
+namespace {
+std::size_t g_bucket_cap = dist::DDPOptions{}.bucket_cap_bytes;
+}  // namespace
+
+void set_bucket_cap_bytes(std::size_t bytes) { g_bucket_cap = bytes; }
+
 struct DataParallel::Impl {
-  explicit Impl(tg::nn::Module& model) : ddp(model) {}
+  explicit Impl(tg::nn::Module& model) : ddp(model, dist::DDPOptions{g_bucket_cap, true}) {}
   dist::DistributedDataParallel ddp;
   int rank = dist::rank(), size = dist::world_size();
   std::optional<dist::DistributedDataParallel::NoSync> local;

@@ -15,6 +15,7 @@
 // Errors: an error every rank raises alike (a bad configuration, ranks that disagree, a
 // divergence) is a JobError, reported once by rank 0; any other exception is this rank's alone
 // and ends the whole job (MPI_Abort) after one line naming the rank.
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <sstream>
@@ -136,6 +137,10 @@ class DataParallel {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// The gradient buckets' size for the DataParallel made from now on (tg::dist::DDPOptions; for
+// bench_train --bucket-kb).
+void set_bucket_cap_bytes(std::size_t bytes);
 
 // The median time of a blocking all-reduce of n float32 values over the ranks, in ms (0 alone):
 // what the gradient reduction costs when nothing hides it.
