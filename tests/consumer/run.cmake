@@ -3,7 +3,9 @@
 #   readme (the default): the first ```cpp block of README.md, so the README's example is checked
 #     to compile as written;
 #   tutorial: docs/tutorial_silu.cpp, after checking that every ```cpp block of docs/tutorial.md
-#     appears in it verbatim, so the tutorial quotes only code that compiles and runs.
+#     appears in it verbatim, so the tutorial quotes only code that compiles and runs;
+#   dist: the first ```cpp block of docs/distributed.md, built with find_package(tapegrad
+#     COMPONENTS dist) (tests/dist/consumer), run alone and, when MPIEXEC is given, at 2 ranks.
 cmake_minimum_required(VERSION 3.18)  # the policies of a project, in script mode too
 if(NOT PROGRAM)
   set(PROGRAM readme)
@@ -68,10 +70,22 @@ elseif(PROGRAM STREQUAL "tutorial")
   message("docs/tutorial.md: all ${n} C++ blocks appear verbatim in docs/tutorial_silu.cpp")
   configure_file(${SOURCE_DIR}/docs/tutorial_silu.cpp ${WORK_DIR}/src/main.cpp COPYONLY)
   set(expect "every check passed")
+elseif(PROGRAM STREQUAL "dist")
+  file(READ ${SOURCE_DIR}/docs/distributed.md doc)
+  next_cpp_block("${doc}")
+  if(out STREQUAL "")
+    message(FATAL_ERROR "docs/distributed.md has no ```cpp block")
+  endif()
+  file(WRITE ${WORK_DIR}/src/main.cpp "${out}")
+  set(expect "trained by 1 process")
 else()
-  message(FATAL_ERROR "PROGRAM must be readme or tutorial, got '${PROGRAM}'")
+  message(FATAL_ERROR "PROGRAM must be readme, tutorial or dist, got '${PROGRAM}'")
 endif()
-configure_file(${SOURCE_DIR}/tests/consumer/CMakeLists.txt ${WORK_DIR}/src/CMakeLists.txt COPYONLY)
+if(PROGRAM STREQUAL "dist")
+  configure_file(${SOURCE_DIR}/tests/dist/consumer/CMakeLists.txt ${WORK_DIR}/src/CMakeLists.txt COPYONLY)
+else()
+  configure_file(${SOURCE_DIR}/tests/consumer/CMakeLists.txt ${WORK_DIR}/src/CMakeLists.txt COPYONLY)
+endif()
 
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${WORK_DIR}/src -B ${WORK_DIR}/build -G ${GENERATOR}
                         -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_BUILD_TYPE=Release
@@ -90,4 +104,12 @@ if(rc)
 endif()
 if(NOT out MATCHES "${expect}")
   message(FATAL_ERROR "the ${PROGRAM} program's output does not match '${expect}'")
+endif()
+if(PROGRAM STREQUAL "dist" AND MPIEXEC)  # the same program at 2 ranks (OpenMPI's flags)
+  execute_process(COMMAND ${MPIEXEC} --oversubscribe --bind-to none -np 2 ${WORK_DIR}/build/consumer
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out)
+  message("${out}")
+  if(rc OR NOT out MATCHES "trained by 2 processes")
+    message(FATAL_ERROR "the dist program at 2 ranks exited with ${rc}")
+  endif()
 endif()
