@@ -158,11 +158,12 @@ std::vector<std::int32_t> GPT::generate(const std::vector<std::int32_t>& prompt,
   KVCache cache;
   for (std::int64_t i = 0; i < n; ++i) {
     Tensor logits;
-    if (!use_cache) {  // the whole window, every time
+    if (!use_cache || (wpe && static_cast<std::int64_t>(ctx.size()) > W)) {
+      // the whole window, every time (learned positions past the window: the cropped window, as
+      // without the cache, through the fused forward)
       const std::vector<std::int32_t> w = window();
       logits = forward(from_vector(w, {1, static_cast<std::int64_t>(w.size())}));
-    } else if (i == 0 || (wpe && cache.len == W)) {
-      // the prompt (or, for learned positions past the window, the window again) fills a fresh cache
+    } else if (i == 0) {  // the prompt fills a fresh cache
       cache = start_cache();
       logits = forward_cached(window(), cache);
     } else {
