@@ -1,11 +1,12 @@
-// train_lm: train the character-level GPT on a text corpus with one norm, or every norm in turn
-// (--compare), and show how they compare: live progress, metrics.csv, summary.md, a val-loss chart
+// train_lm: train the character-level GPT (--arch gpt) or LLaMA-style model (--arch llama) on a
+// text corpus with one norm, or every norm in turn (--compare), and show how they compare: live progress, metrics.csv, summary.md, a val-loss chart
 // (val_loss.svg), samples and checkpoints. Defaults are the "baby GPT on a CPU" configuration of
 // the PyTorch reference benchmark (../shared/bench/torch_gpt.py in the development tree).
 //
 // main() reads the command line into Options, picks one of four modes and calls its function:
 //   trace    print the tape of one training step                      trace_one_step
 //   resume   continue a run from its checkpoint                         resume_run
+//            (of a finished run with --sample: sample it, nothing else)  sample_finished_run
 //   train    one norm (or several seeds of it)                          train_runs
 //   compare  every norm in turn, same seed, data order and weights      train_runs
 // then writes what the runs show (summary table, summary.md, chart)    write_report
