@@ -109,6 +109,18 @@ Tensor Block::forward_cached(const Tensor& x, Tensor& k_cache, Tensor& v_cache, 
   return h + mlp(ln2->forward(h));
 }
 
+void KVCache::drop_oldest() {
+  if (len < 1) fail("KVCache", "nothing to drop from an empty cache");
+  for (auto* tables : {&k, &v})
+    for (Tensor& t : *tables) {
+      auto* base = static_cast<char*>(t.raw_data());
+      const std::size_t row = t.nbytes() / static_cast<std::size_t>(capacity);
+      std::memmove(base, base + row, row * static_cast<std::size_t>(len - 1));
+    }
+  --len;
+  ++start;
+}
+
 KVCache GPT::start_cache() const {
   KVCache c;
   c.capacity = cfg_.block_size;
@@ -167,16 +179,7 @@ std::vector<std::int32_t> GPT::generate(const std::vector<std::int32_t>& prompt,
       cache = start_cache();
       logits = forward_cached(window(), cache);
     } else {
-      if (cache.len == W) {  // llama: slide, dropping the oldest position's keys and values
-        for (auto* tables : {&cache.k, &cache.v})
-          for (Tensor& t : *tables) {
-            auto* base = static_cast<char*>(t.raw_data());
-            const std::size_t row = t.nbytes() / static_cast<std::size_t>(W);
-            std::memmove(base, base + row, row * static_cast<std::size_t>(W - 1));
-          }
-        --cache.len;
-        ++cache.start;
-      }
+      if (cache.len == W) cache.drop_oldest();  // llama: the window slides
       logits = forward_cached({ctx.back()}, cache);
     }
     const std::int32_t pick = pick_token(last_logits(logits), temperature, top_k, g);

@@ -122,11 +122,14 @@ TrainConfig read_checkpoint_config(const std::string& dir) {
   if (!fs::exists(ck)) fail("resume", "no checkpoint in '", dir, "' (expected ", ck.string(), ")");
   load_safetensors(ck.string(), &meta);
   if (meta["format"] != kCheckpointFormat) fail("resume", ck.string(), " is not a train_lm checkpoint");
-  const std::string& text = meta_value(meta, "config", ck.string());
+  return parse_config_json(meta_value(meta, "config", ck.string()), ck.string());
+}
+
+TrainConfig parse_config_json(const std::string& text, const std::string& file) {
   try {
     return config_from_json(json::parse(text));
   } catch (const json::exception& e) {
-    fail("resume", "bad config in ", ck.string(), ": ", e.what());
+    fail("resume", "bad config in ", file, ": ", e.what());
   }
 }
 

@@ -32,8 +32,10 @@ Checkpoint read_checkpoint(const std::string& dir, const tg::nn::GPTConfig& mode
 // the first of a shared tensor's names in sorted order: head.weight before wte.weight).
 tg::StateDict export_state_dict(const tg::nn::GPT& model);
 
-// The configuration as JSON text (what the "config" metadata entry and model.safetensors hold).
+// The configuration as JSON text (what the "config" metadata entry and model.safetensors hold),
+// and back (a tg::Error naming `file` when the text is not a configuration).
 std::string config_json(const TrainConfig& c);
+TrainConfig parse_config_json(const std::string& text, const std::string& file);
 
 // Metadata values, parsed strictly: a missing or damaged value is a tg::Error naming the key.
 std::uint64_t meta_u64(const tg::Metadata& meta, const std::string& key, const std::string& file);

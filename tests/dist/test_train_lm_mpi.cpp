@@ -38,19 +38,8 @@ namespace {
 const std::string kTrainLm = TAPEGRAD_TRAIN_LM;
 const std::string kMpirun = TAPEGRAD_MPIEXEC;
 
-fs::path scratch(const std::string& name) {
-  const fs::path d = fs::temp_directory_path() / ("tapegrad_dist_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
-
-std::string read_file(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::ostringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
+fs::path scratch(const std::string& name) { return lmtest::scratch("tapegrad_dist", name); }
+using lmtest::read_file;
 
 // The children's environment: OpenMPI started as root needs the two ALLOW variables; OpenMP's
 // idle threads sleep (ranks share the cores with the test's other processes).

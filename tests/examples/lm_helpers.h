@@ -1,5 +1,8 @@
 #pragma once
-// What the training-program tests share: a small corpus and the tiny model they train on.
+// What the training-program tests share: scratch directories, whole-file reads, a small corpus
+// and the tiny model they train on.
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -9,6 +12,23 @@
 #include "tapegrad/random.h"
 
 namespace lmtest {
+
+// A fresh, empty directory <base>/<prefix>_<name>_<pid> (the pid keeps parallel CTest runs apart).
+inline std::filesystem::path scratch(const std::string& prefix, const std::string& name,
+                                     const std::filesystem::path& base = std::filesystem::temp_directory_path()) {
+  const std::filesystem::path d = base / (prefix + "_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
+
+// A file's whole contents ("" when it cannot be read).
+inline std::string read_file(const std::filesystem::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::ostringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
 
 // A small corpus with some structure to learn: n_words deterministic pseudo-words in sentences,
 // written to dir/corpus.txt; returns its path.

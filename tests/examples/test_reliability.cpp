@@ -54,18 +54,10 @@ fs::path scratch(const std::string& name, bool memory = false) {
   fs::path base = fs::temp_directory_path();
   std::error_code ec;
   if (memory && fs::is_directory("/dev/shm", ec) && ::access("/dev/shm", W_OK) == 0) base = "/dev/shm";
-  const fs::path d = base / ("tapegrad_reliability_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
+  return lmtest::scratch("tapegrad_reliability", name, base);
 }
 
-std::string read_file(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::ostringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
+using lmtest::read_file;
 
 void write_file(const fs::path& p, const std::string& bytes) {
   std::ofstream f(p, std::ios::binary | std::ios::trunc);

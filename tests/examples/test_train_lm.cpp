@@ -18,12 +18,7 @@ using namespace tg;
 
 namespace {
 
-fs::path scratch(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("tapegrad_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+fs::path scratch(const std::string& name) { return lmtest::scratch("tapegrad_test", name); }
 
 using lmtest::make_corpus;
 using lmtest::tiny;

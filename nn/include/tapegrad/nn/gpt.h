@@ -63,6 +63,9 @@ class CausalSelfAttention : public UnaryModule {
 struct KVCache {
   std::vector<Tensor> k, v;  // one per block
   std::int64_t len = 0, start = 0, capacity = 0;
+  // Slides the window by one: drops the oldest position's keys and values (rows move up one),
+  // so rows [0, len - 1) hold positions [start + 1, start + len).
+  void drop_oldest();
 };
 
 // Pre-norm block: x + proj(attn(ln1(x))), then x + mlp(ln2(x)), mlp = fc_out(gelu(fc(.))) for gpt
