@@ -64,6 +64,8 @@ int main(int argc, char** argv) {
   app.add_flag("--profile", profile, "time every op (tg::set_op_timing) and add ms per step by op to the JSON (\"ops\")");
   app.add_option("--precision", c.precision, "float32|bf16 (tg::AutocastGuard around forward and loss)")
       ->check(CLI::IsMember({"float32", "bf16"}))->capture_default_str();
+  app.add_flag("--gradient-checkpointing", c.gradient_checkpointing,
+               "recompute each block in the backward (nn::GPT::set_gradient_checkpointing)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -103,6 +105,7 @@ int main(int argc, char** argv) {
     j["peak_rss_mb"] = num(lm::peak_rss_mb(), 1);
     j["arch"] = arch;
     j["autocast"] = c.precision == "bf16" ? "bf16" : "none";
+    j["gradient_checkpointing"] = c.gradient_checkpointing;
     j["params"] = r.parameters;
     j["world_size"] = r.world_size;  // tokens_per_s counts the global batch, as the reference's
     if (r.world_size > 1) {

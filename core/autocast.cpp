@@ -5,6 +5,7 @@
 
 #include "autocast_cache.h"
 #include "kernels/bf16.h"
+#include "tapegrad/node.h"
 
 namespace tg {
 
@@ -33,7 +34,10 @@ Tensor cast_to_bf16(const Tensor& w) {
 }  // namespace
 
 Tensor autocast_bf16(const Tensor& w) {
-  const bool parameter = t_cache.depth > 0 && w.requires_grad() && w.meta()->node < 0;
+  // Only a recorded product keeps its copy (its node saves it for the backward anyway); without
+  // recording (evaluation, a checkpointed segment's forward) each product casts and frees its own,
+  // so a forward holds one layer's bf16 weights at a time rather than the model's.
+  const bool parameter = t_cache.depth > 0 && t_grad_enabled && w.requires_grad() && w.meta()->node < 0;
   if (!parameter) return cast_to_bf16(w);
   auto it = t_cache.entries.find(w.raw_data());
   if (it != t_cache.entries.end() && it->second.source.shape() == w.shape()) return it->second.cast;
@@ -43,6 +47,21 @@ Tensor autocast_bf16(const Tensor& w) {
 }
 
 std::size_t autocast_cache_size() { return t_cache.entries.size(); }
+
+struct AutocastCacheScope::Saved {
+  std::unordered_map<const void*, CastCache::Entry> entries;
+  int depth;
+};
+
+AutocastCacheScope::AutocastCacheScope() : saved_(new Saved{std::move(t_cache.entries), t_cache.depth}) {
+  t_cache.entries.clear();
+  t_cache.depth = 1;  // caching, whether or not a guard is open around the scope
+}
+
+AutocastCacheScope::~AutocastCacheScope() {
+  t_cache.entries = std::move(saved_->entries);
+  t_cache.depth = saved_->depth;
+}
 
 }  // namespace detail
 

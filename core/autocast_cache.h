@@ -1,6 +1,7 @@
 #pragma once
 // The autocast scope's state, internal to tapegrad_core (the public face: tapegrad/autocast.h).
 #include <cstddef>
+#include <memory>
 
 #include "tapegrad/tensor.h"
 
@@ -12,6 +13,21 @@ extern thread_local constinit bool t_autocast;
 // that requires grad) is cast once per outermost AutocastGuard and the copy reused; anything else
 // is cast afresh.
 Tensor autocast_bf16(const Tensor& w);
+
+// For its lifetime, parameters are cast into a cache of their own, dropped when it ends (the
+// enclosing scope's cache comes back as it was): a checkpointed segment keeps the bf16 copies of
+// its own weights only while it runs, instead of every segment's until the outermost guard ends.
+class AutocastCacheScope {
+ public:
+  AutocastCacheScope();
+  ~AutocastCacheScope();
+  AutocastCacheScope(const AutocastCacheScope&) = delete;
+  AutocastCacheScope& operator=(const AutocastCacheScope&) = delete;
+
+ private:
+  struct Saved;
+  std::unique_ptr<Saved> saved_;
+};
 
 // The number of parameters cast in the current scope (for the tests).
 std::size_t autocast_cache_size();

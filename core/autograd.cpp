@@ -23,6 +23,7 @@ thread_local constinit bool t_grad_enabled = true;
 thread_local constinit bool t_anomaly = false;
 thread_local constinit bool t_record_hook = false;  // t_anomaly or op timing
 thread_local constinit Tape* t_tape = nullptr;
+thread_local constinit bool t_hooks_off = false;
 }  // namespace detail
 using detail::t_anomaly;
 using detail::t_grad_enabled;
@@ -801,7 +802,7 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   static thread_local std::uint64_t epoch = 0;
   const std::uint64_t mark = ++epoch;
   rm.visit = mark;
-  const bool hooks_live = g_hooks_live.load(std::memory_order_relaxed) != 0;
+  const bool hooks_live = g_hooks_live.load(std::memory_order_relaxed) != 0 && !detail::t_hooks_off;
   Marked found;
   if (grad.defined() || tp.live() != tp.size() || detail::retain_grad_used() || hooks_live)
     found = mark_graph(tp, root, seed, mark);

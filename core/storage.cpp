@@ -4,6 +4,7 @@
 // shapes every iteration, so after the first step every request is served from the cache without a
 // system call or page fault. The cache is bounded (kMaxCached); beyond it blocks go back to the
 // system. Under AddressSanitizer the cache is off so that use-after-free stays detectable.
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <new>
@@ -57,6 +58,16 @@ Cache& cache() {
 
 std::size_t rounded(std::size_t n) { return n == 0 ? kAlign : (n + kAlign - 1) / kAlign * kAlign; }
 
+// Bytes of blocks in use (allocated and not yet freed), and the most in use at once since the
+// last reset_peak_memory_stats().
+std::atomic<std::size_t> g_in_use{0}, g_peak{0};
+void note_allocated(std::size_t size) noexcept {
+  const std::size_t now = g_in_use.fetch_add(size, std::memory_order_relaxed) + size;
+  std::size_t peak = g_peak.load(std::memory_order_relaxed);
+  while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+}
+
 }  // namespace
 
 // Blocks up to kLocalMax bytes also pass through a small per-thread list first, without the lock:
@@ -80,6 +91,7 @@ struct LocalLists {
 [[gnu::noinline]] void* allocate_block(std::size_t n) {
   void* data = nullptr;
   const std::size_t size = rounded(n);
+  note_allocated(size);
 #if TG_CACHE_ENABLED
   if (LocalLists* local = size <= kLocalMax ? LocalLists::mine() : nullptr) {
     std::vector<void*>& mine = local->lists[size / kAlign];
@@ -103,14 +115,18 @@ struct LocalLists {
   }
 #endif
   data = std::aligned_alloc(kAlign, size);
-  if (!data) throw std::bad_alloc();
+  if (!data) {
+    g_in_use.fetch_sub(size, std::memory_order_relaxed);
+    throw std::bad_alloc();
+  }
   return data;
 }
 
 // Gives a block from allocate_block back (to this thread's list, the shared cache or the system).
-[[gnu::noinline]] void free_block(void* data, [[maybe_unused]] std::size_t nbytes) noexcept {
-#if TG_CACHE_ENABLED
+[[gnu::noinline]] void free_block(void* data, std::size_t nbytes) noexcept {
   const std::size_t size = rounded(nbytes);
+  g_in_use.fetch_sub(size, std::memory_order_relaxed);
+#if TG_CACHE_ENABLED
   if (LocalLists* local = size <= kLocalMax ? LocalLists::mine() : nullptr) {
     if (local->bytes + size <= kLocalBytes) {
       try {
@@ -198,6 +214,10 @@ Tensor Tensor::empty(const Shape& shape, DType dtype) {
   return Tensor(std::move(st), shape, dtype);
 }
 
+
+std::size_t memory_allocated() { return g_in_use.load(std::memory_order_relaxed); }
+std::size_t max_memory_allocated() { return g_peak.load(std::memory_order_relaxed); }
+void reset_peak_memory_stats() { g_peak.store(g_in_use.load(std::memory_order_relaxed), std::memory_order_relaxed); }
 
 std::size_t cached_bytes() {
   Cache& c = cache();

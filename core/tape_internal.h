@@ -59,6 +59,10 @@ struct TapeAccess {
   static void sweep(Tape& t);
 };
 
+// When set, backward() on this thread fires no gradient hooks: a checkpointed segment's inner
+// backward (core/checkpoint.cpp), whose parameters' hooks the outer walk fires once it has passed
+// the checkpoint's node.
+extern thread_local constinit bool t_hooks_off;
 // This thread's anomaly switch (set_detect_anomaly).
 extern thread_local constinit bool t_anomaly;
 // Anomaly mode's check of the gradients node i's backward wrote.

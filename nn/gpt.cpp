@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "tapegrad/autograd.h"
+#include "tapegrad/checkpoint.h"
 
 #include "tapegrad/ops.h"
 #include "tapegrad/random.h"
@@ -115,11 +116,20 @@ Tensor Block::mlp(const Tensor& h) {
   return mlp_drop->forward(down->forward(swiglu(gate_up->forward(h))));  // silu(gate) * up, fused
 }
 
+Tensor Block::attention_half(const Tensor& x) { return x + resid_drop->forward(attention(ln1->forward(x))); }
+Tensor Block::mlp_half(const Tensor& h) { return h + mlp(ln2->forward(h)); }
+
 Tensor Block::forward(const Tensor& x) {
   if (!x.defined() || x.dim() != 3 || x.size(2) != qkv->in_features)
     fail("Block", "expects input (B, T, ", qkv->in_features, "), got ", x.defined() ? x.shape().str() : "undefined");
-  Tensor h = x + resid_drop->forward(attention(ln1->forward(x)));
-  return h + mlp(ln2->forward(h));
+  if (!checkpoint_ || !grad_enabled()) return mlp_half(attention_half(x));
+  // One node that keeps x; the parameters are named so that their gradients reach them.
+  return checkpoint([this](const Tensor& in) { return mlp_half(attention_half(in)); }, x, parameters());
+}
+
+void GPT::set_gradient_checkpointing(bool on) {
+  checkpoint_blocks_ = on;
+  for (auto& b : *blocks) b->set_gradient_checkpointing(on);
 }
 
 GPT::GPT(const GPTConfig& cfg, DType dtype) : cfg_(cfg) {

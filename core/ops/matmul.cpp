@@ -212,8 +212,17 @@ namespace {
 // linear's backward: dx (rows, in) (+)= dy w;  dw (out, in) (+)= dy^T x;  db (+)= column sums of
 // dy. dx and dw take the same number of multiply-adds and are computed side by side
 // (kernels::gemm_pair) unless x and w are one tensor, whose gradient the two then write in turn.
-// Recorded inside an autocast scope, the two products are bf16 ones, with the weight's bf16 copy.
-struct LinearSaved { Tensor x, w, w_bf16; };
+// Recorded inside an autocast scope, the two products are bf16 ones, with the weight's bf16 copy
+// and the input's: x_bf16 is then defined and x is not.
+struct LinearSaved { Tensor x, w, w_bf16, x_bf16; };
+// x (float32) rounded to bf16, in parallel: a tensor of dtype bfloat16 of x's shape.
+Tensor to_bf16_copy(const Tensor& x) {
+  Tensor h = Tensor::empty(x.shape(), DType::bf16);
+  const float* src = x.data<float>();
+  auto* dst = static_cast<kernels::bf16*>(h.raw_data());
+  kernels::parallel_for(x.numel(), x.numel(), [&](std::int64_t lo, std::int64_t hi) { kernels::to_bf16(src + lo, dst + lo, hi - lo); });
+  return h;
+}
 const kernels::bf16* bf16_data(const Tensor& t) { return static_cast<const kernels::bf16*>(t.raw_data()); }  // w_bf16: undefined outside an autocast scope
 template <class T>
 void linear_backward_products(const LinearSaved& s, GradDest& dx, GradDest& dw, const T* G, std::int64_t rows,
@@ -225,8 +234,9 @@ void linear_backward_products(const LinearSaved& s, GradDest& dx, GradDest& dw, 
       const kernels::bf16* wh = bf16_data(s.w_bf16);
       const kernels::GemmBf16 px{false, false, rows, in, out, 1.0f, Bf16Operand(G, out), Bf16Operand(wh, in),
                                  dx.acc ? 1.0f : 0.0f, dx.ptr<float>(), in};
-      const kernels::GemmBf16 pw{true, false, out, in, rows, 1.0f, Bf16Operand(G, out), Bf16Operand(s.x.data<float>(), in),
-                                 dw.acc ? 1.0f : 0.0f, dw.ptr<float>(), in};
+      const Bf16Operand xs = s.x_bf16.defined() ? Bf16Operand(bf16_data(s.x_bf16), in) : Bf16Operand(s.x.data<float>(), in);
+      const kernels::GemmBf16 pw{true, false, out, in, rows, 1.0f, Bf16Operand(G, out), xs, dw.acc ? 1.0f : 0.0f,
+                                 dw.ptr<float>(), in};
       if (pair) kernels::gemm_bf16_pair(px, pw);
       else {
         if (dx.defined()) kernels::gemm_bf16(px);
@@ -291,8 +301,14 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   std::int64_t rows = 1;  // the product of x's leading dims
   for (int d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   Tensor y = Tensor::empty(yshape, x.dtype());
-  // Inside an autocast scope a float32 weight is used as its bf16 copy (cast once per scope).
+  // Inside an autocast scope a float32 weight is used as its bf16 copy (cast once per scope). When
+  // the op is recorded, x is rounded to bf16 once, before the product, and the node keeps that
+  // copy instead of x: the backward's dw = dy^T x reads it, half the bytes of x kept from the
+  // forward to the backward, and the same bits (the product rounds a float32 operand the same way
+  // while it packs it).
   const Tensor w_bf16 = detail::t_autocast && x.dtype() == DType::f32 && in > 0 ? detail::autocast_bf16(w) : Tensor();
+  const bool recording = should_record({&x, &w, &b});
+  const Tensor x_bf16 = w_bf16.defined() && recording && rows * out > 0 ? to_bf16_copy(x) : Tensor();
   dispatch_float(op, x.dtype(), [&](auto z) {
     using T = decltype(z);
     T* Y = y.data<T>();
@@ -309,15 +325,19 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
       return;
     }
     if constexpr (std::is_same_v<T, float>)
-      if (w_bf16.defined())
+      if (w_bf16.defined()) {
+        if (x_bf16.defined())
+          return kernels::gemm_bf16(false, true, rows, out, in, 1.0f, bf16_data(x_bf16), in, bf16_data(w_bf16), in, beta,
+                                    Y, out);
         return kernels::gemm_bf16(false, true, rows, out, in, 1.0f, x.data<float>(), in, bf16_data(w_bf16), in, beta, Y,
                                   out);
+      }
     gemm<T>(false, true, rows, out, in, T(1), x.data<T>(), in, w.data<T>(), in, beta, Y, out);
   });
-  if (should_record({&x, &w, &b})) {
-    record(op, {&x, &w, &b}, {&y}, LinearSaved{x.detach(), w.detach(), w_bf16},
+  if (recording) {
+    record(op, {&x, &w, &b}, {&y}, LinearSaved{x_bf16.defined() ? Tensor() : x.detach(), w.detach(), w_bf16, x_bf16},
            [rows, in, out](Node& n, const LinearSaved& s) {  // writes dx, dw and db
-             dispatch_float("linear", s.x.dtype(), [&](auto z) { linear_backward<decltype(z)>(n, s, rows, in, out); });
+             dispatch_float("linear", s.w.dtype(), [&](auto z) { linear_backward<decltype(z)>(n, s, rows, in, out); });
            });
   }
   return y;

@@ -6,6 +6,7 @@
 #include "kernels/isa.h"
 #include "kernels/norms.h"
 #include "tapegrad/autograd.h"
+#include "tapegrad/checkpoint.h"
 #include "tapegrad/ops.h"
 
 namespace tg {
@@ -158,7 +159,7 @@ Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& run
     if (batch_stats) {
       std::vector<double> var(static_cast<std::size_t>(C));
       batch_norm_forward_train(x.data<T>(), opt_ptr<T>(weight), opt_ptr<T>(bias), y.data<T>(), mu, rs, var.data(), R, C, eps);
-      if (training && running_mean.defined()) {
+      if (training && running_mean.defined() && !in_checkpoint_recompute()) {  // updated once per forward
         // PyTorch's rule: the running variance tracks the unbiased batch variance.
         T* rm = Tensor(running_mean).data<T>();
         T* rv = Tensor(running_var).data<T>();

@@ -177,6 +177,7 @@ Trainer::~Trainer() = default;
 void Trainer::build_model() {
   manual_seed(cfg_.seed);  // weights and dropout
   model_ = std::make_unique<nn::GPT>(cfg_.model);
+  model_->set_gradient_checkpointing(cfg_.gradient_checkpointing);
   std::vector<Tensor> decay, no_decay;
   for (auto& [name, p] : model_->named_parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
   std::vector<optim::ParamGroup> groups{{decay, cfg_.lr, cfg_.weight_decay}};
@@ -229,6 +230,7 @@ double Trainer::train_step() {
   opt_->set_lr(lr_);
   sample_batch(corpus_.train, cfg_.batch_size, cfg_.model.block_size, batch_gen_, x_, y_);
   par_->take_slice(x_, y_);  // this rank's rows of the global batch
+  opt_->zero_grad();  // the gradients are dropped before the forward, not kept through it
   Tensor loss;
   double gnorm = 0;
   {
@@ -241,7 +243,6 @@ double Trainer::train_step() {
     }
     loss_ = par_->mean(loss.item());  // the global batch's loss, on every rank
     if (std::isfinite(loss_)) {
-      opt_->zero_grad();
       loss.backward();
       par_->finish_gradients();  // averaged over the ranks
       gnorm = cfg_.grad_clip > 0 ? optim::clip_grad_norm(params_, cfg_.grad_clip) : non_finite_gradient(params_);

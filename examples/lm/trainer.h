@@ -56,6 +56,9 @@ struct TrainConfig {
   bool progress = true;           // a live line on a terminal, log lines otherwise
   bool detect_anomaly = false;    // check every op's outputs and gradients for NaN/Inf (slow)
   std::string precision = "float32";  // "bf16": forward and loss under tg::AutocastGuard
+  // Recompute each block in the backward (nn::GPT::set_gradient_checkpointing): less memory, the
+  // same numbers. How a run is computed, not what it computes: not in the checkpoint's config.
+  bool gradient_checkpointing = false;
 };
 
 struct EvalPoint {

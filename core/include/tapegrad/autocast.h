@@ -12,7 +12,11 @@
 // Weights are cast once per scope: a leaf tensor that requires grad (a parameter) is rounded to
 // bf16 at its first use inside the outermost guard and the copy is reused until that guard ends,
 // as PyTorch's autocast weight cache does; so update parameters outside the scope (the optimizer
-// step after it). Activations are rounded while the product packs them, with no pass of their own.
+// step after it). Without recording (NoGradGuard: evaluation), each product casts its weight
+// afresh and frees the copy, so that a forward holds one layer's bf16 weights, not the model's.
+// An activation that a recorded linear saves for its backward is rounded once, before the
+// product, and the node keeps the bf16 copy (half the bytes); other activations are rounded while
+// the product packs them, with no pass of their own.
 //
 // Differences from PyTorch: the products' outputs are float32 (PyTorch returns bfloat16 tensors
 // and casts them back at the next float32 op: the same values once rounded, but tapegrad keeps the

@@ -3,6 +3,7 @@
 // (the libraries' own sources include only what they use).
 #include "tapegrad/autocast.h"
 #include "tapegrad/autograd.h"
+#include "tapegrad/checkpoint.h"
 #include "tapegrad/dtype.h"
 #include "tapegrad/error.h"
 #include "tapegrad/gradcheck.h"

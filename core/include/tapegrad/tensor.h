@@ -43,6 +43,13 @@ struct Storage {
 // the same activations every iteration stops page-faulting fresh memory after the first one.
 std::size_t cached_bytes();  // bytes held in the cache (shared, and this thread's small-block lists), not in use
 void empty_cache();          // returns those blocks to the system
+// Bytes of tensor memory in use (all threads; the few bytes kept inside a Storage excepted), and
+// the most in use at once since the program started or reset_peak_memory_stats() (PyTorch's
+// torch.cuda.memory_allocated, max_memory_allocated and reset_peak_memory_stats, for this CPU
+// allocator). The process's resident memory also counts the cache, the code and everything else.
+std::size_t memory_allocated();
+std::size_t max_memory_allocated();
+void reset_peak_memory_stats();
 
 struct AutogradMeta;
 

@@ -83,6 +83,10 @@ class Block : public UnaryModule {
   // pos0 is the first new position (RoPE's angle). Generation's step: not recorded.
   Tensor forward_cached(const Tensor& x, Tensor& k_cache, Tensor& v_cache, std::int64_t len, std::int64_t pos0);
   void set_rope_tables(Tensor cos, Tensor sin) { rope_cos_ = std::move(cos); rope_sin_ = std::move(sin); }
+  // Activation checkpointing (tg::checkpoint): a recorded forward keeps the block's input only,
+  // and the backward recomputes the block's activations when it reaches it. Off by default.
+  void set_gradient_checkpointing(bool on = true) { checkpoint_ = on; }
+  bool gradient_checkpointing() const { return checkpoint_; }
   std::string type_name() const override { return "Block"; }
   std::shared_ptr<UnaryModule> ln1, ln2;
   std::shared_ptr<Linear> qkv, proj;
@@ -93,7 +97,10 @@ class Block : public UnaryModule {
  private:
   Tensor attention(const Tensor& h);  // (B, T, C) -> (B, T, C), before resid_drop
   Tensor mlp(const Tensor& h);
+  Tensor attention_half(const Tensor& x);  // x + resid_drop(attention(ln1(x)))
+  Tensor mlp_half(const Tensor& h);        // h + mlp(ln2(h))
   Arch arch_;
+  bool checkpoint_ = false;
   std::int64_t n_head_;
   Tensor rope_cos_, rope_sin_;
 };
@@ -120,6 +127,13 @@ class GPT : public Module {
   // cache (generation's step; no recording). An empty cache is sized by start_cache.
   Tensor forward_cached(const std::vector<std::int32_t>& ids, KVCache& cache);
   KVCache start_cache() const;
+  // Activation checkpointing of every block (Block::set_gradient_checkpointing; Hugging Face's
+  // gradient_checkpointing_enable()): the backward recomputes the activations one block at a
+  // time instead of keeping them from the forward. Same results to the bit; the blocks' forward
+  // runs twice, so a step takes about a third longer, for a fraction of the activations' memory.
+  // Off by default.
+  void set_gradient_checkpointing(bool on = true);
+  bool gradient_checkpointing() const { return checkpoint_blocks_; }
   std::string type_name() const override { return "GPT"; }
   const GPTConfig& config() const { return cfg_; }
 
@@ -135,6 +149,7 @@ class GPT : public Module {
   Tensor logits(const Tensor& x);  // ln_f, then the head
   GPTConfig cfg_;
   Tensor rope_cos_, rope_sin_;  // llama: (block_size, hs)
+  bool checkpoint_blocks_ = false;
 };
 
 // Renames the state-dict keys of earlier tapegrad versions and of PyTorch's safetensors
