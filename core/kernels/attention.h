@@ -7,7 +7,9 @@
 //                      C, k and v the same blocks of the next two
 //   y    (B, T, C)     the heads' outputs, head h in columns [h hs, (h+1) hs)
 //   P    (B, H, T, T)  the causal softmax probabilities, saved for the backward; 0 above the
-//                      diagonal
+//                      diagonal. Null: the forward keeps each head's in a scratch row block and
+//                      the backward recomputes them the same way (same bits), T^2 per thread
+//                      instead of B H T^2 kept from the forward to the backward
 //   dy   (B, T, C)     gradient of y
 //   dqkv (B, T, 3C)    gradient of qkv, laid out as qkv
 //   scale              the logits' factor, 1 / sqrt(hs) in a transformer
@@ -31,7 +33,16 @@
 
 namespace tg::kernels {
 
-// qkv (B, T, 3C) -> y (B, T, C), P (B, H, T, T)
+// One head's probabilities: P = causal softmax(q k^T * scale) (T, T), q and k the head's blocks
+// of qkv (leading dimension 3C); 0 above the diagonal.
+template <class T>
+void attention_probs(const T* q, T* p, std::int64_t Tn, std::int64_t C, std::int64_t hs, double scale) {
+  const std::int64_t ld = 3 * C;
+  gemm_tri<T>(Tri::lower_c, false, true, Tn, Tn, hs, T(1), q, ld, q + C, ld, T(0), p, Tn);  // S = q k^T, j <= i
+  causal_softmax_forward(p, p, Tn, Tn, scale);                                          // in place, row i sees j <= i
+}
+
+// qkv (B, T, 3C) -> y (B, T, C), P (B, H, T, T) (or null)
 template <class T>
 void attention_forward(const T* qkv, T* y, T* P, std::int64_t B, std::int64_t Tn, std::int64_t C, std::int64_t H,
                        double scale) {
@@ -40,20 +51,20 @@ void attention_forward(const T* qkv, T* y, T* P, std::int64_t B, std::int64_t Tn
   // beta = 0 product into a strided block zero-fills it row by row, T small memsets per head.
   fill_zero(y, B * Tn * C);
   parallel_for(B * H, B * H * Tn * Tn * hs, [&](std::int64_t lo, std::int64_t hi) {
+    std::vector<T> scratch(P ? 0 : static_cast<std::size_t>(Tn * Tn));
     for (std::int64_t bh = lo; bh < hi; ++bh) {
       const std::int64_t b = bh / H, h = bh % H;
       const T* q = qkv + b * Tn * ld + h * hs;
-      const T* k = q + C;
       const T* v = q + 2 * C;
-      T* p = P + bh * Tn * Tn;
-      gemm_tri<T>(Tri::lower_c, false, true, Tn, Tn, hs, T(1), q, ld, k, ld, T(0), p, Tn);  // S = q k^T, j <= i
-      causal_softmax_forward(p, p, Tn, Tn, scale);                       // in place, row i sees j <= i
+      T* p = P ? P + bh * Tn * Tn : scratch.data();
+      attention_probs(q, p, Tn, C, hs, scale);
       gemm_tri<T>(Tri::lower_a, false, false, Tn, hs, Tn, T(1), p, Tn, v, ld, T(1), y + b * Tn * C + h * hs, C);
     }
   });
 }
 
-// qkv (B, T, 3C), P (B, H, T, T), dy (B, T, C) -> dqkv (B, T, 3C); += when acc, = otherwise
+// qkv (B, T, 3C), P (B, H, T, T) (or null: recomputed), dy (B, T, C) -> dqkv (B, T, 3C); += when
+// acc, = otherwise
 template <class T>
 void attention_backward(const T* qkv, const T* P, const T* dy, T* dqkv, std::int64_t B, std::int64_t Tn,
                         std::int64_t C, std::int64_t H, double scale, bool acc) {
@@ -62,7 +73,7 @@ void attention_backward(const T* qkv, const T* P, const T* dy, T* dqkv, std::int
   // zeroed in one pass first (as y in the forward), so every product adds (beta = 1).
   if (!acc) fill_zero(dqkv, B * Tn * 3 * C);
   parallel_for(B * H, B * H * Tn * Tn * hs, [&](std::int64_t lo, std::int64_t hi) {
-    std::vector<T> dS(static_cast<std::size_t>(Tn * Tn));
+    std::vector<T> dS(static_cast<std::size_t>(Tn * Tn)), scratch(P ? 0 : static_cast<std::size_t>(Tn * Tn));
     for (std::int64_t bh = lo; bh < hi; ++bh) {
       const std::int64_t b = bh / H, h = bh % H;
       const T* q = qkv + b * Tn * ld + h * hs;
@@ -71,7 +82,8 @@ void attention_backward(const T* qkv, const T* P, const T* dy, T* dqkv, std::int
       T* dq = dqkv + b * Tn * ld + h * hs;
       T* dk = dq + C;
       T* dv = dq + 2 * C;
-      const T* p = P + bh * Tn * Tn;
+      const T* p = P ? P + bh * Tn * Tn : scratch.data();
+      if (!P) attention_probs(q, scratch.data(), Tn, C, hs, scale);
       const T* g = dy + b * Tn * C + h * hs;
       T* ds = dS.data();
       gemm_tri<T>(Tri::lower_c, false, true, Tn, Tn, hs, T(1), g, C, v, ld, T(0), ds, Tn);  // dP = dY v^T, j <= i

@@ -5,6 +5,7 @@
 #include "dispatch.h"
 #include "kernels/attention.h"
 #include "tapegrad/autograd.h"
+#include "tapegrad/checkpoint.h"
 #include "tapegrad/ops.h"
 
 namespace tg {
@@ -27,14 +28,18 @@ Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
   const std::int64_t B = qkv.size(0), Tn = qkv.size(1), C = qkv.size(2) / 3;
   const double scale = attention_scale(C / H);
   Tensor y = Tensor::empty({B, Tn, C}, qkv.dtype());
-  Tensor P = Tensor::empty({B, H, Tn, Tn}, qkv.dtype());
+  // The attention weights (B, H, T, T) are kept for the backward when it is recorded, except in a
+  // checkpointed segment's recomputation, which trades memory for time already: there the
+  // backward recomputes them head by head (the same bits), as the forward does without recording.
+  const bool recording = should_record({&qkv});
+  Tensor P = recording && !in_checkpoint_recompute() ? Tensor::empty({B, H, Tn, Tn}, qkv.dtype()) : Tensor();
   if (y.numel() > 0)
     detail::dispatch_float(op, qkv.dtype(), [&](auto z) {
       using T = decltype(z);
-      kernels::attention_forward(qkv.data<T>(), y.data<T>(), P.data<T>(), B, Tn, C, H, scale);
+      kernels::attention_forward(qkv.data<T>(), y.data<T>(), P.defined() ? P.data<T>() : nullptr, B, Tn, C, H, scale);
     });
-  if (should_record({&qkv})) {
-    struct Saved { Tensor qkv, P; };  // P: the attention weights, (B, H, T, T)
+  if (recording) {
+    struct Saved { Tensor qkv, P; };  // P: the attention weights, (B, H, T, T), or undefined
     record(op, {&qkv}, {&y}, Saved{qkv.detach(), P}, [B, Tn, C, H, scale](Node& n, const Saved& s) {  // writes dqkv
       detail::dispatch_float("causal_attention", s.qkv.dtype(), [&](auto z) {
         using T = decltype(z);
@@ -44,8 +49,8 @@ Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
           if (!dqkv.acc) std::fill(dqkv.ptr<T>(), dqkv.ptr<T>() + dqkv.buf->numel(), T(0));
           return;
         }
-        kernels::attention_backward(s.qkv.data<T>(), s.P.data<T>(), n.grad_out().data<T>(), dqkv.ptr<T>(), B, Tn, C, H,
-                                    scale, dqkv.acc);
+        kernels::attention_backward(s.qkv.data<T>(), s.P.defined() ? s.P.data<T>() : nullptr, n.grad_out().data<T>(),
+                                    dqkv.ptr<T>(), B, Tn, C, H, scale, dqkv.acc);
       });
     });
   }

@@ -5,6 +5,7 @@
 #include "dispatch.h"
 #include "kernels/elementwise.h"
 #include "tapegrad/autograd.h"
+#include "tapegrad/checkpoint.h"
 #include "tapegrad/ops.h"
 
 namespace tg {
@@ -187,11 +188,48 @@ Tensor unary_saving_deriv(const char* name, const Tensor& x, Op op) {
   return y;
 }
 
+// An fdf op's value and derivative alone, from the one fdf (so the same bits as it gives).
+template <class Op>
+struct ValueOf {
+  Op op;
+  template <class T> T f(T x) const {
+    T y, d;
+    op.fdf(x, y, d);
+    return y;
+  }
+};
+template <class Op>
+struct DerivOf {
+  Op op;
+  static constexpr bool kX = true, kY = false;
+  template <class T> T df(T x, T) const {
+    T y, d;
+    op.fdf(x, y, d);
+    return d;
+  }
+};
+
+// In a checkpointed segment's recomputation, where memory comes first: the node saves x, which the
+// caller's tensor holds anyway until the op returns, and the backward computes f'(x) again from it,
+// rather than a derivative buffer of x's size made beside y.
+template <class Op>
+Tensor unary_recomputing_deriv(const char* name, const Tensor& x, Op op) {
+  Tensor y = Tensor::empty(x.shape(), x.dtype());
+  dispatch_float(name, x.dtype(), [&](auto z) {
+    using T = decltype(z);
+    unary_forward<T>(x.data<T>(), y.data<T>(), x.numel(), ValueOf<Op>{op});
+  });
+  record_saving<true, false>(name, {&x}, &y, [op](Node& n, const auto& s) { unary_node_backward(n, s, DerivOf<Op>{op}); },
+                             x, y);
+  return y;
+}
+
 template <class Op>
 Tensor unary(const char* name, const Tensor& x, Op op) {
   detail::check_float(name, x);
   if constexpr (has_fdf<Op>())
-    if (should_record({&x})) return unary_saving_deriv(name, x, op);
+    if (should_record({&x}))
+      return in_checkpoint_recompute() ? unary_recomputing_deriv(name, x, op) : unary_saving_deriv(name, x, op);
   Tensor y = Tensor::empty(x.shape(), x.dtype());
   dispatch_float(name, x.dtype(), [&](auto z) {
     using T = decltype(z);

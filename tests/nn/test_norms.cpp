@@ -4,6 +4,7 @@
 
 #include "helpers.h"
 #include "isa_helpers.h"
+#include "kernels/attention.h"
 #include "kernels/rms_avx2.h"
 
 using namespace tg;
@@ -325,4 +326,26 @@ TEST_CASE("fused causal attention equals the composite (split, permute, matmul, 
   CHECK(max_abs_diff(causal_attention(x.to(float32), 4).to(float64), causal_attention(x, 4)) < 1e-5);
   REQUIRE_TG_ERROR(causal_attention(zeros({2, 3, 10}), 2), "causal_attention", "(2, 3, 10)");
   REQUIRE_TG_ERROR(causal_attention(zeros({2, 3, 12}), 3), "causal_attention", "n_head 3");
+}
+
+TEST_CASE("attention without saved probabilities recomputes them: the same bits forward and backward") {
+  // P = null (a checkpointed segment's recomputation, or no recording): the forward keeps each
+  // head's probabilities in a scratch block and the backward recomputes them by the same code.
+  for (auto [B, T, C, H] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>{2, 5, 6, 2},
+                            {3, 37, 12, 3}, {2, 70, 24, 4}}) {
+    INFO("B " << B << " T " << T << " C " << C << " H " << H);
+    const std::vector<float> qkv = param64({B, T, 3 * C}, 11).to(float32).to_vector<float>();
+    const std::vector<float> dy = param64({B, T, C}, 12).to(float32).to_vector<float>();
+    const double scale = 1.0 / std::sqrt(static_cast<double>(C / H));
+    std::vector<float> y1(static_cast<std::size_t>(B * T * C)), y2(y1.size()), P(static_cast<std::size_t>(B * H * T * T));
+    kernels::attention_forward(qkv.data(), y1.data(), P.data(), B, T, C, H, scale);
+    kernels::attention_forward(qkv.data(), y2.data(), static_cast<float*>(nullptr), B, T, C, H, scale);
+    CHECK(y1 == y2);
+    for (bool acc : {false, true}) {
+      std::vector<float> d1(qkv.size(), acc ? 0.5f : 0.0f), d2 = d1;
+      kernels::attention_backward(qkv.data(), P.data(), dy.data(), d1.data(), B, T, C, H, scale, acc);
+      kernels::attention_backward(qkv.data(), static_cast<const float*>(nullptr), dy.data(), d2.data(), B, T, C, H, scale, acc);
+      CHECK(d1 == d2);
+    }
+  }
 }
