@@ -143,7 +143,7 @@ Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& x, cons
   std::vector<const Tensor*> inputs{&x};
   for (const Tensor& p : leaves) inputs.push_back(&p);
   struct Saved { Tensor x; };
-  record(op, inputs, {&y}, Saved{x.detach()}, [fn = std::move(fn), leaves = std::move(leaves), autocast, rng](Node& n, const Saved& s) {
+  auto backward_fn = [fn = std::move(fn), leaves = std::move(leaves), autocast, rng](Node& n, const Saved& s) {
     const Tensor dy = n.grad_out();
     Tensor gx;
     {
@@ -181,7 +181,8 @@ Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& x, cons
       const T* g = gx.data<T>();
       for (std::int64_t i = 0; i < gx.numel(); ++i) d[i] += g[i];
     });
-  });
+  };
+  record(op, inputs, {&y}, Saved{x.detach()}, std::move(backward_fn));
   return y;
 }
 

@@ -220,7 +220,8 @@ Tensor to_bf16_copy(const Tensor& x) {
   Tensor h = Tensor::empty(x.shape(), DType::bf16);
   const float* src = x.data<float>();
   auto* dst = static_cast<kernels::bf16*>(h.raw_data());
-  kernels::parallel_for(x.numel(), x.numel(), [&](std::int64_t lo, std::int64_t hi) { kernels::to_bf16(src + lo, dst + lo, hi - lo); });
+  kernels::parallel_for(x.numel(), x.numel(),
+                        [&](std::int64_t lo, std::int64_t hi) { kernels::to_bf16(src + lo, dst + lo, hi - lo); });
   return h;
 }
 const kernels::bf16* bf16_data(const Tensor& t) { return static_cast<const kernels::bf16*>(t.raw_data()); }  // w_bf16: undefined outside an autocast scope
@@ -234,7 +235,8 @@ void linear_backward_products(const LinearSaved& s, GradDest& dx, GradDest& dw, 
       const kernels::bf16* wh = bf16_data(s.w_bf16);
       const kernels::GemmBf16 px{false, false, rows, in, out, 1.0f, Bf16Operand(G, out), Bf16Operand(wh, in),
                                  dx.acc ? 1.0f : 0.0f, dx.ptr<float>(), in};
-      const Bf16Operand xs = s.x_bf16.defined() ? Bf16Operand(bf16_data(s.x_bf16), in) : Bf16Operand(s.x.data<float>(), in);
+      const Bf16Operand xs =
+          s.x_bf16.defined() ? Bf16Operand(bf16_data(s.x_bf16), in) : Bf16Operand(s.x.data<float>(), in);
       const kernels::GemmBf16 pw{true, false, out, in, rows, 1.0f, Bf16Operand(G, out), xs, dw.acc ? 1.0f : 0.0f,
                                  dw.ptr<float>(), in};
       if (pair) kernels::gemm_bf16_pair(px, pw);

@@ -2,8 +2,11 @@
 // operands rounded to bfloat16 and float32 sums, forward and backward; float64 and everything
 // outside the scope are untouched; parameters are cast once per scope.
 #include "autocast_cache.h"
+#include "float_bits.h"
 #include "helpers.h"
+#include "isa_helpers.h"
 #include "kernels/bf16.h"
+#include "kernels/sgemm_bf16.h"
 
 using namespace tg;
 using namespace tgtest;
@@ -16,6 +19,12 @@ Tensor round_bf16(const Tensor& t) {
   float* p = r.data<float>();
   for (std::int64_t i = 0; i < r.numel(); ++i) p[i] = kernels::to_float(kernels::to_bf16(p[i]));
   return r;
+}
+
+// Same dtype, shape and bytes.
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.defined() && b.defined() && a.dtype() == b.dtype() && a.shape() == b.shape() &&
+         std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()) == 0;
 }
 
 // The largest |a - b| relative to the largest |b|.
@@ -119,5 +128,85 @@ TEST_CASE("autocast casts each parameter once per scope and forgets the casts wh
   }
   const Tensor ref = matmul(round_bf16(x).to(float64), round_bf16(w).to(float64), false, true);
   CHECK(rel_diff(y, ref) < 1e-5);
+  tape().clear();  // graphs recorded here and never walked
+}
+
+TEST_CASE("autocast: a recorded linear keeps its input as bf16, with the bits of the product of the float32 input") {
+  // The reference is the kernels on the float32 input, as the op computed before it kept a copy:
+  // the copy rounded before the product and the product's own rounding while it packs agree, on
+  // ties, on float32 subnormals (one of which rounds up to the smallest normal bf16), on a value
+  // that rounds to infinity, and on a row of tiny values whose sums the flush to zero decides.
+  using kernels::Isa;
+  const std::int64_t B = 3, T = 5, rows = B * T, in = 70, out = 45;
+  Generator g(15);
+  const Tensor x0 = randn({B, T, in}, float32, &g), w0 = randn({out, in}, float32, &g), b0 = randn({out}, float32, &g);
+  const Tensor dy = randn({B, T, out}, float32, &g);
+  {
+    float* xp = Tensor(x0).data<float>();
+    const std::uint32_t specials[] = {0x3F808000u, 0x3F818000u, 0xBF818000u, 0x007FFFFFu, 0x00008000u,
+                                      0x00018000u, 0x80400000u, 0x7F7FFFFFu, 0x3F7FFFFFu};
+    for (std::size_t i = 0; i < std::size(specials); ++i) xp[i * in + 3 * i + 1] = from_bits(specials[i]);  // row i
+    for (std::int64_t k = 0; k < in; ++k)  // the last row: float32 subnormals and the smallest normals
+      xp[(rows - 1) * in + k] = from_bits((k % 2 ? 0x00800000u : 0x007FFFFFu) - static_cast<std::uint32_t>(k) * 0x1000u);
+  }
+  each_isa({Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16}, [&](Isa) {
+    std::vector<kernels::bf16> wh(static_cast<std::size_t>(out * in));
+    kernels::to_bf16(w0.data<float>(), wh.data(), out * in);
+    Tensor y_ref = Tensor::empty(dy.shape()), dx_ref = Tensor::empty(x0.shape()), dw_ref = Tensor::empty(w0.shape());
+    for (std::int64_t r = 0; r < rows; ++r)
+      std::copy(b0.data<float>(), b0.data<float>() + out, y_ref.data<float>() + r * out);
+    kernels::gemm_bf16(false, true, rows, out, in, 1.0f, x0.data<float>(), in, wh.data(), in, 1.0f, y_ref.data<float>(),
+                       out);
+    kernels::gemm_bf16(false, false, rows, in, out, 1.0f, dy.data<float>(), out, wh.data(), in, 0.0f,
+                       dx_ref.data<float>(), in);
+    kernels::gemm_bf16(true, false, out, in, rows, 1.0f, dy.data<float>(), out, x0.data<float>(), in, 0.0f,
+                       dw_ref.data<float>(), in);
+    for (bool x_grad : {true, false}) {
+      INFO((x_grad ? "x and w require grad" : "w alone requires grad"));
+      Tensor x = x0.clone(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+      if (x_grad) x.requires_grad_();
+      tape().clear();
+      Tensor y, y_unrecorded;
+      {
+        AutocastGuard autocast;
+        y = linear(x, w, b);
+        {
+          NoGradGuard ng;
+          y_unrecorded = linear(x, w, b);
+        }
+      }
+      // The node keeps x as bf16 (2 bytes an element), the weight, and the weight's bf16 copy.
+      CHECK(tape().bytes_saved() == static_cast<std::size_t>(rows * in * 2 + out * in * (4 + 2)));
+      y.backward(dy);
+      CHECK(same_bits(y, y_ref));
+      CHECK(same_bits(y_unrecorded, y_ref));
+      CHECK(same_bits(w.grad(), dw_ref));
+      if (x_grad) CHECK(same_bits(x.grad(), dx_ref));
+      else CHECK_FALSE(x.grad().defined());
+      CHECK(rel_diff(b.grad(), sum(dy, {0, 1})) < 1e-6);
+      CHECK(std::isinf(y.at({1, 2, 0})));  // row 7 holds the value that rounds to infinity
+    }
+  });
+}
+
+TEST_CASE("autocast: products without recording cast their weights afresh, recorded ones cache them") {
+  Generator g(16);
+  Tensor w1 = randn({8, 16}, float32, &g).requires_grad_(), w2 = randn({6, 8}, float32, &g).requires_grad_();
+  const Tensor x = randn({4, 16}, float32, &g);
+  AutocastGuard autocast;
+  Tensor unrecorded;
+  {
+    NoGradGuard ng;
+    unrecorded = linear(linear(x, w1), w2);
+    CHECK(detail::autocast_cache_size() == 0);  // each product's copy freed with it
+  }
+  const Tensor recorded = linear(linear(x, w1), w2);
+  CHECK(detail::autocast_cache_size() == 2);
+  CHECK(same_bits(unrecorded, recorded));
+  {
+    NoGradGuard ng;  // a cached weight is still used when it is there
+    CHECK(same_bits(linear(linear(x, w1), w2), recorded));
+    CHECK(detail::autocast_cache_size() == 2);
+  }
   tape().clear();  // graphs recorded here and never walked
 }

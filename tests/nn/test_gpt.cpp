@@ -255,3 +255,72 @@ TEST_CASE("llama generation slides its cache past block_size, equal to the cropp
   CHECK(long_run.size() == 30);
   for (std::int32_t t : long_run) CHECK((t >= 0 && t < 13));
 }
+
+TEST_CASE("gradient checkpointing leaves a GPT's loss and every gradient the same bits, float32 and bf16, with dropout") {
+  // Two models from one seed, one with every block checkpointed; the same batch and dropout seed.
+  auto same_bits = [](const Tensor& a, const Tensor& b) {
+    return a.defined() && b.defined() && a.shape() == b.shape() && a.dtype() == b.dtype() &&
+           std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()) == 0;
+  };
+  Generator data(10);
+  const Tensor ids = randint(0, 13, {3, 8}, &data), tgt = randint(0, 13, {3, 8}, &data);
+  for (auto arch : kArchs)
+    for (auto kind : {nn::NormKind::rmsnorm, nn::NormKind::layernorm, nn::NormKind::batchnorm})
+      for (bool bf16 : {false, true})
+        for (double p : {0.0, 0.2}) {
+          INFO(nn::to_string(arch) << " " << nn::to_string(kind) << (bf16 ? " bf16" : " float32") << " dropout " << p);
+          nn::GPTConfig cfg{arch, 13, 8, 3, 2, 16};
+          cfg.norm = kind;
+          cfg.dropout = p;
+          manual_seed(8);
+          nn::GPT plain(cfg);
+          manual_seed(8);
+          nn::GPT ck(cfg);
+          ck.set_gradient_checkpointing(true);
+          CHECK(ck.gradient_checkpointing());
+          std::size_t flagged = 0;  // the blocks that checkpoint (the last one may keep its activations)
+          for (auto& b : *ck.blocks) flagged += b->gradient_checkpointing();
+          CHECK(flagged + 1 >= ck.blocks->size());
+          auto step = [&](nn::GPT& model) {
+            manual_seed(99);
+            tape().clear();
+            Tensor loss;
+            {
+              AutocastGuard cast(bf16);
+              loss = model.loss(ids, tgt);
+            }
+            std::size_t checkpoints = 0;
+            for (std::size_t i = 0; i < tape().size(); ++i)
+              checkpoints += tape()[i].op == std::string("checkpoint") && !tape()[i].freed;
+            loss.backward();
+            return std::tuple{loss.detach(), checkpoints, default_generator().offset()};
+          };
+          const auto [loss_plain, n_plain, end_plain] = step(plain);
+          const auto [loss_ck, n_ck, end_ck] = step(ck);
+          CHECK(n_plain == 0);
+          CHECK(n_ck == flagged);  // one node per checkpointed block
+          CHECK(same_bits(loss_ck, loss_plain));
+          CHECK(end_ck == end_plain);
+          const auto pa = plain.named_parameters(), pb = ck.named_parameters();
+          REQUIRE(pa.size() == pb.size());
+          for (std::size_t i = 0; i < pa.size(); ++i) {
+            INFO(pa[i].first);
+            CHECK(same_bits(pb[i].second.grad(), pa[i].second.grad()));
+          }
+          const auto ba = plain.named_buffers(), bb = ck.named_buffers();  // BatchNorm's running statistics
+          REQUIRE(ba.size() == bb.size());
+          for (std::size_t i = 0; i < ba.size(); ++i) {
+            INFO(ba[i].first);
+            CHECK(same_bits(bb[i].second, ba[i].second));
+          }
+        }
+  // Without recording (evaluation, generation) a checkpointed model is the plain forward.
+  manual_seed(8);
+  nn::GPT model(nn::GPTConfig{nn::Arch::llama, 13, 8, 2, 2, 16});
+  model.set_gradient_checkpointing(true);
+  NoGradGuard ng;
+  const Tensor with = model.forward(ids);
+  model.set_gradient_checkpointing(false);
+  CHECK_FALSE(model.gradient_checkpointing());
+  CHECK(same_bits(with, model.forward(ids)));
+}
