@@ -146,8 +146,10 @@ TEST_CASE("autocast: a recorded linear keeps its input as bf16, with the bits of
     const std::uint32_t specials[] = {0x3F808000u, 0x3F818000u, 0xBF818000u, 0x007FFFFFu, 0x00008000u,
                                       0x00018000u, 0x80400000u, 0x7F7FFFFFu, 0x3F7FFFFFu};
     for (std::size_t i = 0; i < std::size(specials); ++i) xp[i * in + 3 * i + 1] = from_bits(specials[i]);  // row i
-    for (std::int64_t k = 0; k < in; ++k)  // the last row: float32 subnormals and the smallest normals
-      xp[(rows - 1) * in + k] = from_bits((k % 2 ? 0x00800000u : 0x007FFFFFu) - static_cast<std::uint32_t>(k) * 0x1000u);
+    for (std::int64_t k = 0; k < in; ++k) {  // the last row: float32 subnormals, some rounding to normal bf16
+      const std::uint32_t below = 0x1000u * static_cast<std::uint32_t>(k);
+      xp[(rows - 1) * in + k] = from_bits((k % 2 ? 0x00800000u : 0x007FFFFFu) - below);
+    }
   }
   each_isa({Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16}, [&](Isa) {
     std::vector<kernels::bf16> wh(static_cast<std::size_t>(out * in));
@@ -204,7 +206,7 @@ TEST_CASE("autocast: products without recording cast their weights afresh, recor
   CHECK(detail::autocast_cache_size() == 2);
   CHECK(same_bits(unrecorded, recorded));
   {
-    NoGradGuard ng;  // a cached weight is still used when it is there
+    NoGradGuard ng;  // the cache is neither read nor grown without recording: the same bits either way
     CHECK(same_bits(linear(linear(x, w1), w2), recorded));
     CHECK(detail::autocast_cache_size() == 2);
   }

@@ -256,7 +256,7 @@ TEST_CASE("llama generation slides its cache past block_size, equal to the cropp
   for (std::int32_t t : long_run) CHECK((t >= 0 && t < 13));
 }
 
-TEST_CASE("gradient checkpointing leaves a GPT's loss and every gradient the same bits, float32 and bf16, with dropout") {
+TEST_CASE("gradient checkpointing leaves a GPT's loss and gradients the same bits, float32 and bf16, with dropout") {
   // Two models from one seed, one with every block checkpointed; the same batch and dropout seed.
   auto same_bits = [](const Tensor& a, const Tensor& b) {
     return a.defined() && b.defined() && a.shape() == b.shape() && a.dtype() == b.dtype() &&
