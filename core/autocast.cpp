@@ -37,12 +37,13 @@ Tensor autocast_bf16(const Tensor& w) {
   // Only a recorded product keeps its copy (its node saves it for the backward anyway); without
   // recording (evaluation, a checkpointed segment's forward) each product casts and frees its own,
   // so a forward holds one layer's bf16 weights at a time rather than the model's.
-  const bool parameter = t_cache.depth > 0 && t_grad_enabled && w.requires_grad() && w.meta()->node < 0;
+  // A copy already cached is used either way.
+  const bool parameter = t_cache.depth > 0 && w.requires_grad() && w.meta()->node < 0;
   if (!parameter) return cast_to_bf16(w);
   auto it = t_cache.entries.find(w.raw_data());
   if (it != t_cache.entries.end() && it->second.source.shape() == w.shape()) return it->second.cast;
   Tensor h = cast_to_bf16(w);
-  t_cache.entries[w.raw_data()] = CastCache::Entry{w.detach(), h};
+  if (t_grad_enabled) t_cache.entries[w.raw_data()] = CastCache::Entry{w.detach(), h};
   return h;
 }
 

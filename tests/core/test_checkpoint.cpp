@@ -600,3 +600,20 @@ TEST_CASE("checkpoint's edge cases: x among the params, token ids as x, no rows,
   }
   CHECK(tape().live() == 0);
 }
+
+TEST_CASE("checkpoint: a result that depends on nothing requiring grad has zero gradients, not an error") {
+  // x needs no gradient and fn ignores its params: the forward cannot know that, so y requires
+  // grad; the backward finds the recomputed result constant and writes nothing.
+  tg::Tensor x = tg::randn({3});
+  tg::Tensor w = tg::randn({3}).requires_grad_();
+  tg::Tensor y = tg::checkpoint([](const tg::Tensor& v) { return v * 2.0; }, x, {w});
+  REQUIRE(y.requires_grad());
+  REQUIRE_NOTHROW(tg::sum(y).backward());
+  CHECK_FALSE(w.grad().defined());
+  // x requiring grad, fn ignoring it: x's gradient is zeros.
+  tg::Tensor x2 = tg::randn({3}).requires_grad_();
+  tg::Tensor z = tg::checkpoint([w](const tg::Tensor&) { return w.detach() * 3.0; }, x2, {w});
+  REQUIRE_NOTHROW(tg::sum(z).backward());
+  REQUIRE(x2.grad().defined());
+  CHECK(x2.grad().to_vector<float>() == std::vector<float>{0.0f, 0.0f, 0.0f});
+}

@@ -22,7 +22,9 @@
 // grad that is neither x, nor in params, nor computed by fn from them makes backward() throw,
 // naming the op, before any gradient of the segment is written.
 //
-// fn must depend on x and params alone and give the same result when run again. BatchNorm's
+// fn must depend on x and params alone and give the same result when run again. The node keeps fn
+// until its backward: capture by value what would not outlive it (a lambda capturing a local by
+// reference, made in a function that returns before the backward, dangles). BatchNorm's
 // running statistics are updated by the forward only, not again by the recomputation (PyTorch
 // updates them twice). With op timing on (set_op_timing), the "checkpoint" row's backward time
 // includes the recomputation and its inner backward, which the rows of fn's ops count as well.
