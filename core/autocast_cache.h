@@ -10,8 +10,9 @@ namespace tg::detail {
 extern thread_local constinit bool t_autocast;
 
 // w (float32) rounded to bfloat16, a tensor of dtype bfloat16 of w's shape. A parameter (a leaf
-// that requires grad) is cast once per outermost AutocastGuard and the copy reused; anything else
-// is cast afresh.
+// that requires grad) cast while recording is cached until the outermost AutocastGuard (or the
+// AutocastCacheScope around it) ends, and the copy reused; without recording, a cached copy is
+// used but none is made; anything else is cast afresh.
 Tensor autocast_bf16(const Tensor& w);
 
 // For its lifetime, parameters are cast into a cache of their own, dropped when it ends (the

@@ -96,7 +96,7 @@ Tensor segment_input(const Tensor& x, bool wants_grad) {
 // params, or computed on the segment's tape: a tensor from outside it (a parameter left out of
 // params, or an activation of the outer graph that fn captured) would receive its gradient on the
 // inner tape, where nothing carries it on.
-void check_reads(Tape& t, const Tensor& xd, const std::vector<Tensor>& params) {
+void check_reads(Tape& t, const Tensor& xd, const std::vector<Tensor>& params, const Tensor& out) {
   std::unordered_set<const AutogradMeta*> known;
   for (const Tensor& p : params) known.insert(p.meta().get());
   if (xd.meta()) known.insert(xd.meta().get());
@@ -110,6 +110,10 @@ void check_reads(Tape& t, const Tensor& xd, const std::vector<Tensor>& params) {
              "in params (a module's parameters()) and an activation as x");
     for (const Node::Slot& o : n.outputs()) known.insert(o.get());
   }
+  // The result itself: an outer tensor returned as it is would seed a walk of the wrong tape.
+  if (out.requires_grad() && !known.count(out.meta().get()))
+    fail("checkpoint", "fn's result ", out.dtype(), " ", out.shape(), " requires grad and is neither x, nor in params, "
+         "nor computed by fn from them; pass an activation as x");
 }
 
 }  // namespace
@@ -128,13 +132,14 @@ Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& x, cons
     leaves.push_back(p);
   }
   if (!grad_enabled() || (!x.requires_grad() && leaves.empty())) return fn(x);
+  // Anomaly mode records fn's ops as they are, so that a NaN is named by the op that made it.
+  if (is_anomaly_enabled()) return fn(x);
 
   const bool autocast = is_autocast_enabled();
   const RngState rng = RngState::now();
   Tensor y;
   {
-    detail::AutocastCacheScope cache;  // this segment's bf16 weights, for this segment only
-    NoGradGuard no_record;             // fn's activations are freed as it goes
+    NoGradGuard no_record;  // fn's activations are freed as it goes (and its bf16 weights: no-grad products cache none)
     y = fn(x);
   }
   detail::check_defined(op, y, "fn's result");
@@ -153,7 +158,7 @@ Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& x, cons
       OwnTape inner;
       const Tensor xd = segment_input(s.x, n.needs_grad(0));
       const Tensor out = fn(xd);
-      check_reads(inner.get(), xd, leaves);
+      check_reads(inner.get(), xd, leaves, out);
       if (!out.defined() || !(out.shape() == dy.shape()) || out.dtype() != dy.dtype())
         fail("checkpoint", "the recomputation gave ", out.defined() ? out.shape().str() : "an undefined tensor",
              " where the forward gave ", dy.dtype(), " ", dy.shape(), ": fn must give the same result when run again");

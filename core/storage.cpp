@@ -91,7 +91,6 @@ struct LocalLists {
 [[gnu::noinline]] void* allocate_block(std::size_t n) {
   void* data = nullptr;
   const std::size_t size = rounded(n);
-  note_allocated(size);
 #if TG_CACHE_ENABLED
   if (LocalLists* local = size <= kLocalMax ? LocalLists::mine() : nullptr) {
     std::vector<void*>& mine = local->lists[size / kAlign];
@@ -99,6 +98,7 @@ struct LocalLists {
       data = mine.back();
       mine.pop_back();
       local->bytes -= size;
+      note_allocated(size);
       return data;
     }
   }
@@ -110,15 +110,14 @@ struct LocalLists {
       data = blocks.back();
       blocks.pop_back();
       c.bytes -= size;
+      note_allocated(size);
       return data;
     }
   }
 #endif
   data = std::aligned_alloc(kAlign, size);
-  if (!data) {
-    g_in_use.fetch_sub(size, std::memory_order_relaxed);
-    throw std::bad_alloc();
-  }
+  if (!data) throw std::bad_alloc();
+  note_allocated(size);
   return data;
 }
 

@@ -113,7 +113,7 @@ void add_training_options(CLI::App& app, Options& o) {
       ->check(CLI::IsMember({"float32", "bf16"}))->capture_default_str();
   app.add_flag("--gradient-checkpointing", c.gradient_checkpointing,
                "recompute each block's activations in the backward instead of keeping them from the forward: "
-               "the same numbers, less memory, about a third more time per step");
+               "the same numbers, less memory, 25-40% more time per step (docs/performance.md)");
   app.add_flag("--quiet", o.quiet, "no progress output");
   app.add_flag("--detect-anomaly", c.detect_anomaly,
                "check every op's outputs and gradients for NaN/Inf and stop at the first, naming the op (slow; "

@@ -7,9 +7,9 @@
 //                      C, k and v the same blocks of the next two
 //   y    (B, T, C)     the heads' outputs, head h in columns [h hs, (h+1) hs)
 //   P    (B, H, T, T)  the causal softmax probabilities, saved for the backward; 0 above the
-//                      diagonal. Null: the forward keeps each head's in a scratch row block and
-//                      the backward recomputes them the same way (same bits), T^2 per thread
-//                      instead of B H T^2 kept from the forward to the backward
+//                      diagonal. Null: the forward keeps each head's in a (T, T) scratch per
+//                      thread and the backward recomputes them the same way (same bits), instead
+//                      of B H T^2 kept from the forward to the backward
 //   dy   (B, T, C)     gradient of y
 //   dqkv (B, T, 3C)    gradient of qkv, laid out as qkv
 //   scale              the logits' factor, 1 / sqrt(hs) in a transformer

@@ -310,7 +310,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   // while it packs it).
   const Tensor w_bf16 = detail::t_autocast && x.dtype() == DType::f32 && in > 0 ? detail::autocast_bf16(w) : Tensor();
   const bool recording = should_record({&x, &w, &b});
-  const Tensor x_bf16 = w_bf16.defined() && recording && rows * out > 0 ? to_bf16_copy(x) : Tensor();
+  const Tensor x_bf16 = w_bf16.defined() && recording && w.requires_grad() && rows * out > 0 ? to_bf16_copy(x) : Tensor();
   dispatch_float(op, x.dtype(), [&](auto z) {
     using T = decltype(z);
     T* Y = y.data<T>();

@@ -57,7 +57,7 @@ struct TrainConfig {
   bool detect_anomaly = false;    // check every op's outputs and gradients for NaN/Inf (slow)
   std::string precision = "float32";  // "bf16": forward and loss under tg::AutocastGuard
   // Recompute each block in the backward (nn::GPT::set_gradient_checkpointing): less memory, the
-  // same numbers. How a run is computed, not what it computes: not in the checkpoint's config.
+  // same numbers. How a run is computed, not what it computes: not in the saved run's config.
   bool gradient_checkpointing = false;
 };
 

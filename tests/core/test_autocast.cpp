@@ -132,7 +132,7 @@ TEST_CASE("autocast casts each parameter once per scope and forgets the casts wh
 }
 
 TEST_CASE("autocast: a recorded linear keeps its input as bf16, with the bits of the product of the float32 input") {
-  // The reference is the kernels on the float32 input, as the op computed before it kept a copy:
+  // The reference is the bf16 kernels on the float32 input, rounded while they pack it:
   // the copy rounded before the product and the product's own rounding while it packs agree, on
   // ties, on float32 subnormals (one of which rounds up to the smallest normal bf16), on a value
   // that rounds to infinity, and on a row of tiny values whose sums the flush to zero decides.

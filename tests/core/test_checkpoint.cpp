@@ -617,3 +617,33 @@ TEST_CASE("checkpoint: a result that depends on nothing requiring grad has zero 
   REQUIRE(x2.grad().defined());
   CHECK(x2.grad().to_vector<float>() == std::vector<float>{0.0f, 0.0f, 0.0f});
 }
+
+TEST_CASE("checkpoint refuses a result taken from outside the segment, and records op by op in anomaly mode") {
+  // An outer activation returned as it is would seed a walk of the wrong tape.
+  tg::Tensor a = tg::randn({4}).requires_grad_();
+  tg::Tensor outside = a * 2.0;
+  tg::Tensor x = tg::randn({4}).requires_grad_();
+  tg::Tensor y = tg::checkpoint([outside](const tg::Tensor&) { return outside; }, x, {});
+  REQUIRE_TG_ERROR(tg::sum(y).backward(), "checkpoint", "fn's result");
+  tg::tape().clear();
+  // In anomaly mode the segment's ops are recorded (so a NaN names its op), and the gradients
+  // are still those of fn.
+  tg::Tensor w = tg::randn({4}).requires_grad_();
+  auto fn = [w](const tg::Tensor& v) { return tg::tanh(v * w); };
+  tg::Tensor x1 = tg::randn({4}).requires_grad_();
+  std::size_t nodes = 0;
+  {
+    tg::DetectAnomalyGuard anomaly;
+    const std::size_t before = tg::tape().size();
+    tg::Tensor z = tg::checkpoint(fn, x1, {w});
+    nodes = tg::tape().size() - before;
+    tg::sum(z).backward();
+  }
+  CHECK(nodes == 2);  // mul and tanh, no checkpoint node
+  tg::Tensor gw = w.grad().clone(), gx = x1.grad().clone();
+  w.zero_grad();
+  x1.zero_grad();
+  tg::sum(fn(x1)).backward();
+  CHECK(gw.to_vector<float>() == w.grad().to_vector<float>());
+  CHECK(gx.to_vector<float>() == x1.grad().to_vector<float>());
+}

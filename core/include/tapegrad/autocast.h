@@ -13,7 +13,9 @@
 // bf16 at its first use inside the outermost guard and the copy is reused until that guard ends,
 // as PyTorch's autocast weight cache does; so update parameters outside the scope (the optimizer
 // step after it). Without recording (NoGradGuard: evaluation), each product casts its weight
-// afresh and frees the copy, so that a forward holds one layer's bf16 weights, not the model's.
+// afresh and frees the copy, so that a forward holds one layer's bf16 weights, not the model's
+// (a difference from PyTorch, whose cache does not depend on grad mode). A checkpointed segment's
+// recomputation (tg::checkpoint) casts its weights into a cache of its own, dropped when it ends.
 // An activation that a recorded linear saves for its backward is rounded once, before the
 // product, and the node keeps the bf16 copy (half the bytes); other activations are rounded while
 // the product packs them, with no pass of their own.

@@ -11,7 +11,8 @@
 // masks; autocast on or off).
 //
 // Cost: fn runs twice. Memory: the forward runs fn without recording, and what fn saves for its
-// backward lives during the segment's own backward only.
+// backward lives during the segment's own backward only. Its bf16 weight copies (autocast) too:
+// the recomputation casts them into a cache of its own, dropped when the segment's backward ends.
 // Checkpointing each block of an L-block model keeps L block inputs instead of L blocks'
 // activations (nn::GPT::set_gradient_checkpointing).
 //
@@ -22,14 +23,19 @@
 // grad that is neither x, nor in params, nor computed by fn from them makes backward() throw,
 // naming the op, before any gradient of the segment is written.
 //
-// fn must depend on x and params alone and give the same result when run again. The node keeps fn
+// fn may read x, params and tensors that need no gradient and do not change before the backward,
+// and must give the same result when run again. The node keeps fn
 // until its backward: capture by value what would not outlive it (a lambda capturing a local by
 // reference, made in a function that returns before the backward, dangles). BatchNorm's
 // running statistics are updated by the forward only, not again by the recomputation (PyTorch
 // updates them twice). With op timing on (set_op_timing), the "checkpoint" row's backward time
 // includes the recomputation and its inner backward, which the rows of fn's ops count as well.
 //
-// Under NoGradGuard, or when neither x nor any of params requires grad, checkpoint is fn(x).
+// Under NoGradGuard, or when neither x nor any of params requires grad, checkpoint is fn(x); so it
+// is in anomaly mode (set_detect_anomaly), recorded op by op, so that a NaN names its op.
+// Differences from PyTorch besides params: one tensor in and one out; the recomputation runs
+// inside the backward (PyTorch's reentrant variant); the state restored is the default
+// generator's, which is per process, so dropout in another thread during a backward races with it.
 #include <functional>
 #include <vector>
 

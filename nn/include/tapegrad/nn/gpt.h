@@ -130,7 +130,8 @@ class GPT : public Module {
   // Activation checkpointing of every block (Block::set_gradient_checkpointing; Hugging Face's
   // gradient_checkpointing_enable()): the backward recomputes the activations one block at a
   // time instead of keeping them from the forward. Same results to the bit; the blocks' forward
-  // runs twice, so a step takes about a third longer, for a fraction of the activations' memory.
+  // runs twice, so a step takes 25-40% longer at the medium size (docs/performance.md), for a
+  // fraction of the activations' memory.
   // Off by default.
   void set_gradient_checkpointing(bool on = true);
   bool gradient_checkpointing() const { return checkpoint_blocks_; }
