@@ -5,6 +5,7 @@
 
 #include "autocast_cache.h"
 #include "kernels/bf16.h"
+#include "kernels/parallel.h"
 #include "tapegrad/node.h"
 
 namespace tg {
@@ -26,12 +27,16 @@ struct CastCache {
 };
 thread_local CastCache t_cache;
 
-Tensor cast_to_bf16(const Tensor& w) {
-  Tensor h = Tensor::empty(w.shape(), DType::bf16);
-  kernels::to_bf16(w.data<float>(), static_cast<kernels::bf16*>(h.raw_data()), w.numel());
+}  // namespace
+
+Tensor to_bf16(const Tensor& x) {
+  Tensor h = Tensor::empty(x.shape(), DType::bf16);
+  const float* src = x.data<float>();
+  auto* dst = static_cast<kernels::bf16*>(h.raw_data());
+  kernels::parallel_for(x.numel(), x.numel(),
+                        [&](std::int64_t lo, std::int64_t hi) { kernels::to_bf16(src + lo, dst + lo, hi - lo); });
   return h;
 }
-}  // namespace
 
 Tensor autocast_bf16(const Tensor& w) {
   // Only a recorded product keeps its copy (its node saves it for the backward anyway); without
@@ -39,10 +44,10 @@ Tensor autocast_bf16(const Tensor& w) {
   // so a forward holds one layer's bf16 weights at a time rather than the model's.
   // A copy already cached is used either way.
   const bool parameter = t_cache.depth > 0 && w.requires_grad() && w.meta()->node < 0;
-  if (!parameter) return cast_to_bf16(w);
+  if (!parameter) return to_bf16(w);
   auto it = t_cache.entries.find(w.raw_data());
   if (it != t_cache.entries.end() && it->second.source.shape() == w.shape()) return it->second.cast;
-  Tensor h = cast_to_bf16(w);
+  Tensor h = to_bf16(w);
   if (t_grad_enabled) t_cache.entries[w.raw_data()] = CastCache::Entry{w.detach(), h};
   return h;
 }

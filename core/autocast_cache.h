@@ -9,6 +9,10 @@ namespace tg::detail {
 
 extern thread_local constinit bool t_autocast;
 
+// x (float32) rounded to bfloat16 (round to nearest even), a new tensor of dtype bfloat16 of x's
+// shape; in parallel.
+Tensor to_bf16(const Tensor& x);
+
 // w (float32) rounded to bfloat16, a tensor of dtype bfloat16 of w's shape. A parameter (a leaf
 // that requires grad) cast while recording is cached until the outermost AutocastGuard (or the
 // AutocastCacheScope around it) ends, and the copy reused; without recording, a cached copy is

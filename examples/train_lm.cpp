@@ -1,7 +1,8 @@
 // train_lm: train the character-level GPT (--arch gpt) or LLaMA-style model (--arch llama) on a
-// text corpus with one norm, or every norm in turn (--compare), and show how they compare: live progress, metrics.csv, summary.md, a val-loss chart
-// (val_loss.svg), samples and checkpoints. Defaults are the "baby GPT on a CPU" configuration of
-// the PyTorch reference benchmark (../shared/bench/torch_gpt.py in the development tree).
+// text corpus with one norm, or every norm in turn (--compare), and show how they compare: live
+// progress, metrics.csv, summary.md, a val-loss chart (val_loss.svg), samples and checkpoints.
+// Defaults are the "baby GPT on a CPU" configuration of the PyTorch reference benchmark
+// (../shared/bench/torch_gpt.py, beside the project).
 //
 // main() reads the command line into Options, picks one of four modes and calls its function:
 //   trace    print the tape of one training step                      trace_one_step

@@ -128,8 +128,11 @@ Tensor Block::forward(const Tensor& x) {
 }
 
 void GPT::set_gradient_checkpointing(bool on) {
-  checkpoint_blocks_ = on;
   for (auto& b : *blocks) b->set_gradient_checkpointing(on);
+}
+
+bool GPT::gradient_checkpointing() const {
+  return std::all_of(blocks->begin(), blocks->end(), [](const auto& b) { return b->gradient_checkpointing(); });
 }
 
 GPT::GPT(const GPTConfig& cfg, DType dtype) : cfg_(cfg) {

@@ -215,15 +215,6 @@ namespace {
 // Recorded inside an autocast scope, the two products are bf16 ones, with the weight's bf16 copy
 // and the input's: x_bf16 is then defined and x is not.
 struct LinearSaved { Tensor x, w, w_bf16, x_bf16; };
-// x (float32) rounded to bf16, in parallel: a tensor of dtype bfloat16 of x's shape.
-Tensor to_bf16_copy(const Tensor& x) {
-  Tensor h = Tensor::empty(x.shape(), DType::bf16);
-  const float* src = x.data<float>();
-  auto* dst = static_cast<kernels::bf16*>(h.raw_data());
-  kernels::parallel_for(x.numel(), x.numel(),
-                        [&](std::int64_t lo, std::int64_t hi) { kernels::to_bf16(src + lo, dst + lo, hi - lo); });
-  return h;
-}
 const kernels::bf16* bf16_data(const Tensor& t) { return static_cast<const kernels::bf16*>(t.raw_data()); }  // w_bf16: undefined outside an autocast scope
 template <class T>
 void linear_backward_products(const LinearSaved& s, GradDest& dx, GradDest& dw, const T* G, std::int64_t rows,
@@ -304,13 +295,15 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   for (int d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   Tensor y = Tensor::empty(yshape, x.dtype());
   // Inside an autocast scope a float32 weight is used as its bf16 copy (cast once per scope). When
-  // the op is recorded, x is rounded to bf16 once, before the product, and the node keeps that
+  // the op is recorded and w needs a gradient (dw = dy^T x reads x), x is rounded to bf16 once,
+  // before the product, and the node keeps that
   // copy instead of x: the backward's dw = dy^T x reads it, half the bytes of x kept from the
   // forward to the backward, and the same bits (the product rounds a float32 operand the same way
   // while it packs it).
   const Tensor w_bf16 = detail::t_autocast && x.dtype() == DType::f32 && in > 0 ? detail::autocast_bf16(w) : Tensor();
   const bool recording = should_record({&x, &w, &b});
-  const Tensor x_bf16 = w_bf16.defined() && recording && w.requires_grad() && rows * out > 0 ? to_bf16_copy(x) : Tensor();
+  const bool keep_x_bf16 = w_bf16.defined() && recording && w.requires_grad() && rows * out > 0;
+  const Tensor x_bf16 = keep_x_bf16 ? detail::to_bf16(x) : Tensor();
   dispatch_float(op, x.dtype(), [&](auto z) {
     using T = decltype(z);
     T* Y = y.data<T>();

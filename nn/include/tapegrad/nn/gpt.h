@@ -134,7 +134,7 @@ class GPT : public Module {
   // fraction of the activations' memory.
   // Off by default.
   void set_gradient_checkpointing(bool on = true);
-  bool gradient_checkpointing() const { return checkpoint_blocks_; }
+  bool gradient_checkpointing() const;  // every block checkpoints
   std::string type_name() const override { return "GPT"; }
   const GPTConfig& config() const { return cfg_; }
 
@@ -150,7 +150,6 @@ class GPT : public Module {
   Tensor logits(const Tensor& x);  // ln_f, then the head
   GPTConfig cfg_;
   Tensor rope_cos_, rope_sin_;  // llama: (block_size, hs)
-  bool checkpoint_blocks_ = false;
 };
 
 // Renames the state-dict keys of earlier tapegrad versions and of PyTorch's safetensors
