@@ -2,6 +2,7 @@
 // timed, printing one JSON line with the keys of the PyTorch reference (../shared/bench/torch_gpt.py):
 //   framework, norm, threads, steps, ms_per_step_median, tokens_per_s, train_loss, val_loss, peak_rss_mb,
 //   arch, autocast, params
+// (and peak_tensor_mb, gradient_checkpointing, which the reference does not print)
 // and with --sample-tokens N the sampling speed of the model's generate, with and without its
 // KV cache (sample_tokens_per_s, sample_uncached_tokens_per_s: N tokens after a one-token prompt).
 // Under mpirun (mpirun -np N bench_train ...) the ranks train data-parallel as train_lm does, and
@@ -103,6 +104,7 @@ int main(int argc, char** argv) {
       j["val_loss"] = num(r.final_val, 4);
     }
     j["peak_rss_mb"] = num(lm::peak_rss_mb(), 1);
+    j["peak_tensor_mb"] = num(r.peak_tensor_mb, 1);  // of it, tensors at their peak (no counterpart in the reference)
     j["arch"] = arch;
     j["autocast"] = c.precision == "bf16" ? "bf16" : "none";
     j["gradient_checkpointing"] = c.gradient_checkpointing;

@@ -128,6 +128,15 @@ GradDest Node::write_grad(std::size_t i) const {
   return GradDest{&m.grad.set(Tensor::empty(m.shape, m.dtype)), false};
 }
 
+bool Node::take_grad(std::size_t i, Tensor& g) const {
+  if (!needs_grad(i)) return false;
+  AutogradMeta& m = *slots()[i];
+  if (m.grad.defined() || input_repeated(i) || !g.sole_owner() || g.dtype() != m.dtype || !(g.shape() == m.shape))
+    return false;
+  m.grad.set(std::move(g));
+  return true;
+}
+
 GradDest Node::write_grad_over_output(std::size_t i, std::size_t j) const {
   if (needs_grad(i)) {
     AutogradMeta& m = *slots()[i];

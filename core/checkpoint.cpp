@@ -171,6 +171,7 @@ Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& x, cons
       }
     }  // the segment's tape is empty again
     if (!n.needs_grad(0)) return;
+    if (gx.defined() && n.take_grad(0, gx)) return;  // the inner walk's buffer becomes x's gradient
     GradDest dx = n.write_grad(0);
     const std::size_t bytes = dx.buf->nbytes();
     if (!gx.defined()) {  // fn's result does not depend on x

@@ -1,16 +1,18 @@
 // Storage and the caching allocator.
 //
-// Blocks are cached by exact byte size: a training step allocates the same activation and gradient
-// shapes every iteration, so after the first step every request is served from the cache without a
-// system call or page fault. The cache is bounded (kMaxCached); beyond it blocks go back to the
-// system. Under AddressSanitizer the cache is off so that use-after-free stays detectable.
+// A training step allocates the same activation and gradient shapes every iteration, so after the
+// first step or two every request is served from memory already touched, without a system call or
+// a page fault. Blocks of up to kSmallMax bytes are cached by exact size (a list per size, no
+// search); larger ones come from a BlockArena (block_arena.h), which splits and merges them so the
+// same memory serves different sizes. The cache is bounded (kMaxCached); beyond it blocks go back
+// to the system. Under AddressSanitizer the cache is off so that use-after-free stays detectable.
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <new>
-#include <unordered_map>
 #include <vector>
 
+#include "block_arena.h"
 #include "per_thread.h"
 #include "pool.h"
 #include "tapegrad/tensor.h"
@@ -28,26 +30,25 @@ constexpr std::size_t kAlign = 64;
 constexpr std::size_t kMaxCached = std::size_t(2) << 30;  // 2 GiB
 
 // Blocks up to kSmallMax bytes sit in an array of lists indexed by size / kAlign (no hashing);
-// larger ones in a map keyed by size.
+// larger ones in the arena, in segments of kSegmentBytes (or one of their own if larger).
 constexpr std::size_t kSmallMax = std::size_t(64) << 10;
+constexpr std::size_t kSegmentBytes = std::size_t(64) << 20;
 
 struct Cache {
-  std::mutex mu;
+  std::mutex mu;  // guards the small lists and `bytes`; the arena has its own lock
   std::vector<std::vector<void*>> small = std::vector<std::vector<void*>>(kSmallMax / kAlign + 1);
-  std::unordered_map<std::size_t, std::vector<void*>> large;
-  std::size_t bytes = 0;
+  std::size_t bytes = 0;  // in the small lists
+  // A split leaves more than kSmallMax bytes free: less would serve no request the arena sees.
+  detail::BlockArena large{kSegmentBytes, kSmallMax + kAlign, kMaxCached};
   ~Cache() { release(); }
-  std::vector<void*>& list(std::size_t size) { return size <= kSmallMax ? small[size / kAlign] : large[size]; }
   void release() {
     std::lock_guard<std::mutex> lock(mu);
     for (auto& blocks : small) {
       for (void* p : blocks) std::free(p);
       blocks.clear();
     }
-    for (auto& [size, blocks] : large)
-      for (void* p : blocks) std::free(p);
-    large.clear();
     bytes = 0;
+    large.release_free_segments();
   }
 };
 
@@ -102,10 +103,15 @@ struct LocalLists {
       return data;
     }
   }
+  if (size > kSmallMax) {
+    data = cache().large.allocate(size);
+    note_allocated(size);
+    return data;
+  }
   {
     Cache& c = cache();
     std::lock_guard<std::mutex> lock(c.mu);
-    std::vector<void*>& blocks = c.list(size);
+    std::vector<void*>& blocks = c.small[size / kAlign];
     if (!blocks.empty()) {
       data = blocks.back();
       blocks.pop_back();
@@ -138,10 +144,14 @@ struct LocalLists {
     }
   }
   Cache& c = cache();
+  if (size > kSmallMax) {
+    c.large.deallocate(data);
+    return;
+  }
   std::lock_guard<std::mutex> lock(c.mu);
   if (c.bytes + size <= kMaxCached) {
     try {  // noting the block may allocate; out of memory, the block simply goes back to the system
-      c.list(size).push_back(data);
+      c.small[size / kAlign].push_back(data);
       c.bytes += size;
       return;
     } catch (const std::bad_alloc&) {
@@ -222,7 +232,7 @@ std::size_t cached_bytes() {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   const LocalLists* local = LocalLists::mine();
-  return c.bytes + (local ? local->bytes : 0);
+  return c.bytes + (c.large.reserved_bytes() - c.large.in_use_bytes()) + (local ? local->bytes : 0);
 }
 
 void empty_cache() {

@@ -168,6 +168,7 @@ Trainer::Trainer(const TrainConfig& cfg, const Corpus& corpus, bool resume)
   tty_ = cfg_.progress && isatty(STDERR_FILENO);
   tokens_per_step_ = static_cast<double>(cfg_.batch_size * cfg_.model.block_size);
   reset_peak_rss();
+  reset_peak_memory_stats();
 }
 
 Trainer::~Trainer() = default;
@@ -346,6 +347,7 @@ void Trainer::finish() {
   r_.ms_per_step_median = median_ms();
   r_.tokens_per_s = tokens_per_step_ / r_.ms_per_step_median * 1e3;
   r_.peak_rss_mb = peak_rss_mb();
+  r_.peak_tensor_mb = static_cast<double>(max_memory_allocated()) / (1 << 20);
   r_.world_size = job_size();
   r_.comm = par_->comm_summary();
   if (!r_.evals.empty()) {

@@ -73,6 +73,7 @@ struct RunResult {
   std::vector<EvalPoint> evals;
   std::vector<double> step_loss;  // training loss at every step of this process
   double ms_per_step_median = 0, tokens_per_s = 0, peak_rss_mb = 0;
+  double peak_tensor_mb = 0;      // tg::max_memory_allocated() over the run, MiB (within peak_rss_mb)
   double final_train = NAN, final_val = NAN, best_val = NAN;
   std::string sample_text;
   std::int64_t start_step = 0;

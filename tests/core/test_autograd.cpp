@@ -166,6 +166,88 @@ TEST_CASE("gradcheck reports a wrong gradient") {
   REQUIRE_TG_ERROR(gradcheck(right, {randn({3}).requires_grad_()}), "gradcheck", "float64");
 }
 
+TEST_CASE("Node::take_grad hands a gradient buffer over when nothing else holds it, and declines otherwise") {
+  // "twice": y = 3 * x recorded with x as both inputs; the backward offers a fresh buffer of 3 * dy
+  // to input 0 and, when that is declined, adds it through write_grad. `handed` is the address
+  // offered, and whether take_grad took it; `keep` holds a second reference when set.
+  struct Probe {
+    const void* handed = nullptr;
+    bool taken = false;
+    bool share = false;
+    Tensor keep;
+  };
+  auto triple = [](const Tensor& x, Probe& probe, bool twice) {
+    Tensor y = x.detach() * 3.0;
+    struct Saved { Tensor none; };  // the inputs as a vector take a Saved struct; nothing to save
+    std::vector<const Tensor*> in{&x};
+    if (twice) in.push_back(&x);
+    record("triple", in, {&y}, Saved{}, [&probe, twice](Node& n, const Saved&) {
+      Tensor g = n.grad_out() * (twice ? 1.5 : 3.0);  // twice: each input carries half
+      probe.handed = g.raw_data();
+      if (probe.share) probe.keep = g;
+      probe.taken = n.take_grad(0, g);
+      if (!probe.taken) {
+        GradDest dx = n.write_grad(0);
+        for (std::int64_t i = 0; i < g.numel(); ++i) dx.ptr<double>()[i] = (dx.acc ? dx.ptr<double>()[i] : 0.0) + g.data<double>()[i];
+      }
+      if (twice) {
+        GradDest dx = n.add_grad(1);
+        for (std::int64_t i = 0; i < g.numel(); ++i) dx.ptr<double>()[i] += g.data<double>()[i];
+      }
+    });
+    return y;
+  };
+  const std::vector<double> three{3, 3, 3, 3};
+  SECTION("a fresh gradient: the very buffer becomes x's") {
+    Tensor x = zeros({4}, float64).requires_grad_();
+    Probe probe;
+    sum(triple(x, probe, false)).backward();
+    CHECK(probe.taken);
+    CHECK(x.grad().raw_data() == probe.handed);
+    CHECK(x.grad().to_vector<double>() == three);
+  }
+  SECTION("x already has a gradient: declined, and the caller adds") {
+    Tensor x = zeros({4}, float64).requires_grad_();
+    Probe probe;
+    sum(triple(x, probe, false)).backward();
+    sum(triple(x, probe, false)).backward();
+    CHECK_FALSE(probe.taken);
+    CHECK(x.grad().to_vector<double>() == std::vector<double>{6, 6, 6, 6});
+  }
+  SECTION("the buffer is held elsewhere, or x is passed twice: declined") {
+    Tensor x = zeros({4}, float64).requires_grad_();
+    Probe shared;
+    shared.share = true;
+    sum(triple(x, shared, false)).backward();
+    CHECK_FALSE(shared.taken);
+    CHECK(x.grad().raw_data() != shared.handed);
+    CHECK(x.grad().to_vector<double>() == three);
+    Tensor x2 = zeros({4}, float64).requires_grad_();
+    Probe twice;
+    sum(triple(x2, twice, true)).backward();
+    CHECK_FALSE(twice.taken);
+    CHECK(x2.grad().to_vector<double>() == three);
+  }
+  SECTION("a gradient of another shape or dtype: declined") {
+    Tensor x = zeros({4}, float64).requires_grad_();
+    Tensor y = x.detach() * 1.0;
+    bool shape_taken = true, dtype_taken = true;
+    record("offer", {&x}, {&y}, [&](Node& n) {
+      Tensor wrong_shape = zeros({2, 2}, float64), wrong_dtype = zeros({4}, float32);
+      shape_taken = n.take_grad(0, wrong_shape);
+      dtype_taken = n.take_grad(0, wrong_dtype);
+      CHECK(wrong_shape.defined());  // left as it was
+      Tensor g = n.grad_out().clone();
+      REQUIRE(n.take_grad(0, g));
+      CHECK_FALSE(g.defined());  // moved into x's gradient
+    });
+    sum(y).backward();
+    CHECK_FALSE(shape_taken);
+    CHECK_FALSE(dtype_taken);
+    CHECK(x.grad().to_vector<double>() == std::vector<double>{1, 1, 1, 1});
+  }
+}
+
 TEST_CASE("two graphs on one tape: backward of one leaves the other usable") {
   Tensor x = tensor({1, 2}, {2}, float64).requires_grad_();
   Tensor a = sum(x * 3.0);

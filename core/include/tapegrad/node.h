@@ -75,6 +75,10 @@ struct Node {
   // Input i's gradient for a kernel that adds into it (it may leave elements untouched): a buffer
   // of zeros when new, acc = true.
   GradDest add_grad(std::size_t i) const;
+  // Hands g over as input i's gradient without a copy, when it can be: input i has no gradient
+  // yet and is not passed twice, and g has its dtype and shape and is held by nothing else.
+  // Returns false otherwise, leaving g as it was: write it through write_grad.
+  bool take_grad(std::size_t i, Tensor& g) const;
   // Whether input i needs a gradient at all (write_grad / add_grad return null dests when not).
   bool needs_grad(std::size_t i) const { return i < n_in && slots()[i] != nullptr; }
   // Input i's shape as recorded (for printing and messages; not available once the node is freed).

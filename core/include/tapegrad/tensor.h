@@ -39,10 +39,11 @@ struct Storage {
   alignas(64) unsigned char inline_data[kInlineBytes];
 };
 
-// The caching allocator keeps freed blocks by size for reuse, so a training step that allocates
-// the same activations every iteration stops page-faulting fresh memory after the first one.
-std::size_t cached_bytes();  // bytes held in the cache (shared, and this thread's small-block lists), not in use
-void empty_cache();          // returns those blocks to the system
+// The caching allocator keeps freed blocks for reuse (small ones by exact size, large ones in
+// segments it splits and merges: core/block_arena.h), so a training step that allocates the same
+// activations every iteration stops page-faulting fresh memory after the first one or two.
+std::size_t cached_bytes();  // bytes held by the cache and not in use (small-block lists, this thread's, segments' free space)
+void empty_cache();          // returns the small blocks and the segments with nothing in use to the system
 // Bytes of tensor memory in use (all threads; the few bytes kept inside a Storage excepted), and
 // the most in use at once since the program started or reset_peak_memory_stats() (PyTorch's
 // torch.cuda.memory_allocated, max_memory_allocated and reset_peak_memory_stats, for this CPU

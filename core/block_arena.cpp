@@ -1,0 +1,156 @@
+// Best-fit segments with splitting and merging: see block_arena.h.
+#include "block_arena.h"
+
+#include <sys/mman.h>
+
+#include <memory>
+#include <new>
+
+namespace tg::detail {
+
+bool BlockArena::BySizeThenAddress::operator()(const Block* a, const Block* b) const {
+  return a->size != b->size ? a->size < b->size : a->addr < b->addr;
+}
+
+BlockArena::BlockArena(std::size_t segment_bytes, std::size_t min_split, std::size_t max_cached)
+    : segment_bytes_(segment_bytes), min_split_(min_split), max_cached_(max_cached) {}
+
+BlockArena::~BlockArena() {
+  // A segment's first block (no prev) finds its length by walking to the last one.
+  const auto unmap_segment_of = [](const Block* first) {
+    std::size_t bytes = 0;
+    for (const Block* x = first; x; x = x->next) bytes += x->size;
+    munmap(first->addr, bytes);
+  };
+  for (Block* b : free_)
+    if (!b->prev) unmap_segment_of(b);
+  for (auto& [addr, b] : used_)
+    if (!b->prev) unmap_segment_of(b);
+  for (auto& [addr, b] : used_) delete b;
+  for (Block* b : free_) delete b;  // the set frees its nodes after, without comparing them
+}
+
+BlockArena::Block* BlockArena::new_block(char* addr, std::size_t size) {
+  auto b = std::make_unique<Block>();
+  b->addr = addr;
+  b->size = size;
+  FreeSet holder;
+  holder.insert(b.get());  // allocates the node this block keeps for its life
+  b->node = holder.extract(holder.begin());
+  return b.release();
+}
+
+BlockArena::Block* BlockArena::map_segment(std::size_t size) {
+  constexpr std::size_t k2MiB = std::size_t(2) << 20;
+  const std::size_t bytes = size <= segment_bytes_ ? segment_bytes_ : (size + k2MiB - 1) / k2MiB * k2MiB;
+  if (reserved_ - in_use_ + bytes > max_cached_) release_free_segments_locked();
+  // MAP_NORESERVE: the pages are committed as they are touched, as malloc's large blocks are.
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  Block* b = nullptr;
+  try {
+    b = new_block(static_cast<char*>(p), bytes);
+  } catch (...) {
+    munmap(p, bytes);
+    throw;
+  }
+  b->free = true;
+  free_.insert(std::move(b->node));
+  reserved_ += bytes;
+  ++segments_;
+  return b;
+}
+
+void* BlockArena::allocate(std::size_t size) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // The smallest free block of at least `size` bytes, the lowest-addressed among equals.
+  Block probe;
+  probe.size = size;
+  auto it = free_.lower_bound(&probe);
+  Block* b = it != free_.end() ? *it : map_segment(size);
+  // Everything that can fail comes first: the split-off block and its node, the entry in used_.
+  std::unique_ptr<Block> rest;
+  if (b->size - size >= min_split_) rest.reset(new_block(b->addr + size, b->size - size));
+  used_.emplace(b->addr, b);
+  b->node = free_.extract(b);
+  b->free = false;
+  if (rest) {
+    Block* r = rest.release();
+    r->prev = b;
+    r->next = b->next;
+    if (b->next) b->next->prev = r;
+    b->next = r;
+    b->size = size;
+    r->free = true;
+    free_.insert(std::move(r->node));
+  }
+  in_use_ += b->size;
+  return b->addr;
+}
+
+void BlockArena::deallocate(void* p) noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = used_.find(p);
+  if (it == used_.end()) return;  // not ours: nothing to do (the caller only passes our blocks)
+  Block* b = it->second;
+  used_.erase(it);
+  in_use_ -= b->size;
+  b->free = true;
+  // Merge with a free neighbour on either side: the neighbour leaves the free set (its node goes
+  // back into it), the two become one block, and the absorbed block is deleted with its node.
+  if (Block* a = b->prev; a && a->free) {
+    a->node = free_.extract(a);
+    a->size += b->size;
+    a->next = b->next;
+    if (b->next) b->next->prev = a;
+    delete b;
+    b = a;
+  }
+  if (Block* c = b->next; c && c->free) {
+    c->node = free_.extract(c);
+    b->size += c->size;
+    b->next = c->next;
+    if (c->next) c->next->prev = b;
+    delete c;
+  }
+  free_.insert(std::move(b->node));
+}
+
+void BlockArena::release_free_segments_locked() noexcept {
+  for (auto it = free_.begin(); it != free_.end();) {
+    Block* b = *it;
+    if (b->prev || b->next) {
+      ++it;
+      continue;
+    }
+    it = free_.erase(it);  // frees the node; the block is the whole segment
+    munmap(b->addr, b->size);
+    reserved_ -= b->size;
+    --segments_;
+    delete b;
+  }
+}
+
+void BlockArena::release_free_segments() noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  release_free_segments_locked();
+}
+
+std::size_t BlockArena::reserved_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reserved_;
+}
+std::size_t BlockArena::in_use_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_use_;
+}
+std::size_t BlockArena::largest_free_block() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return free_.empty() ? 0 : (*free_.rbegin())->size;
+}
+std::size_t BlockArena::segment_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return segments_;
+}
+
+}  // namespace tg::detail

@@ -1,0 +1,159 @@
+// The caching allocator's arena for large blocks (core/block_arena.h): best fit, splitting, merging
+// of free neighbours, segments, and the bookkeeping a training loop's memory depends on. Each case
+// uses an arena of its own, so addresses and counts are exact.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <new>
+#include <random>
+#include <vector>
+
+#include "block_arena.h"
+#include "helpers.h"
+
+using tg::detail::BlockArena;
+
+namespace {
+constexpr std::size_t KiB = 1024, MiB = 1024 * 1024;
+char* as_bytes(void* p) { return static_cast<char*>(p); }
+}  // namespace
+
+TEST_CASE("arena: blocks are carved one after another from a segment, and a freed block is used again") {
+  BlockArena arena(8 * MiB, 64 * KiB, 1024 * MiB);
+  CHECK(arena.reserved_bytes() == 0);
+  char* a = as_bytes(arena.allocate(1 * MiB));
+  CHECK(reinterpret_cast<std::uintptr_t>(a) % 4096 == 0);  // a segment starts on a page
+  char* b = as_bytes(arena.allocate(2 * MiB));
+  char* c = as_bytes(arena.allocate(512 * KiB));
+  CHECK(b == a + 1 * MiB);
+  CHECK(c == b + 2 * MiB);
+  CHECK(arena.segment_count() == 1);
+  CHECK(arena.reserved_bytes() == 8 * MiB);
+  CHECK(arena.in_use_bytes() == 3 * MiB + 512 * KiB);
+  CHECK(arena.largest_free_block() == 8 * MiB - (3 * MiB + 512 * KiB));
+  arena.deallocate(b);
+  CHECK(arena.in_use_bytes() == 1 * MiB + 512 * KiB);
+  CHECK(as_bytes(arena.allocate(2 * MiB)) == b);  // the hole fits exactly: the tail stays whole
+  CHECK(arena.largest_free_block() == 8 * MiB - (3 * MiB + 512 * KiB));
+}
+
+TEST_CASE("arena: a request takes the smallest free block it fits, the lowest-addressed of equals") {
+  BlockArena arena(16 * MiB, 64 * KiB, 1024 * MiB);
+  std::vector<char*> p;
+  for (std::size_t size : {1 * MiB, 128 * KiB, 768 * KiB, 128 * KiB, 512 * KiB, 128 * KiB, 256 * KiB, 128 * KiB})
+    p.push_back(as_bytes(arena.allocate(size)));
+  // Free the 1 MiB, 768 KiB, 512 KiB and 256 KiB blocks: holes separated by live 128 KiB blocks.
+  for (int i : {0, 2, 4, 6}) arena.deallocate(p[i]);
+  CHECK(as_bytes(arena.allocate(300 * KiB)) == p[4]);  // 512 KiB is the smallest hole >= 300 KiB
+  // 230 KiB: the 212 KiB left of p[4]'s hole is too small, p[6]'s 256 KiB fits, and the 26 KiB over
+  // is too little to split off (min 64 KiB): the request holds the whole block.
+  CHECK(as_bytes(arena.allocate(230 * KiB)) == p[6]);
+  CHECK(arena.in_use_bytes() == 4 * 128 * KiB + 300 * KiB + 256 * KiB);
+  CHECK(as_bytes(arena.allocate(1 * MiB)) == p[0]);  // an exact fit, though the tail is larger
+  // Two equal holes, one per segment: the 1 MiB left of a second segment after 15 MiB, and p[0]'s.
+  char* far = as_bytes(arena.allocate(15 * MiB));
+  CHECK(arena.segment_count() == 2);
+  arena.deallocate(p[0]);
+  CHECK(as_bytes(arena.allocate(1 * MiB)) == std::min(p[0], far + 15 * MiB));
+}
+
+TEST_CASE("arena: a freed block merges with free neighbours, so the memory serves any size again") {
+  BlockArena arena(4 * MiB, 64 * KiB, 1024 * MiB);
+  char* a = as_bytes(arena.allocate(1 * MiB));
+  char* b = as_bytes(arena.allocate(1 * MiB));
+  char* c = as_bytes(arena.allocate(1 * MiB));
+  char* d = as_bytes(arena.allocate(1 * MiB));  // the segment is full
+  CHECK(arena.largest_free_block() == 0);
+  arena.deallocate(a);
+  arena.deallocate(c);
+  CHECK(arena.largest_free_block() == 1 * MiB);  // two separate holes
+  arena.deallocate(b);                           // joins both: a, b and c are one block
+  CHECK(arena.largest_free_block() == 3 * MiB);
+  CHECK(as_bytes(arena.allocate(3 * MiB)) == a);  // three blocks' memory, one request, no new segment
+  CHECK(arena.segment_count() == 1);
+  arena.deallocate(a);
+  arena.deallocate(d);  // the segment is whole again: one free block
+  CHECK(arena.largest_free_block() == 4 * MiB);
+  CHECK(arena.in_use_bytes() == 0);
+  arena.release_free_segments();
+  CHECK(arena.segment_count() == 0);
+  CHECK(arena.reserved_bytes() == 0);
+}
+
+TEST_CASE("arena: a request larger than a segment gets a segment of its own, rounded up to 2 MiB") {
+  BlockArena arena(4 * MiB, 64 * KiB, 1024 * MiB);
+  char* small = as_bytes(arena.allocate(1 * MiB));
+  char* big = as_bytes(arena.allocate(5 * MiB + 64));
+  CHECK(arena.segment_count() == 2);
+  CHECK(arena.reserved_bytes() == 4 * MiB + 6 * MiB);
+  std::memset(big, 0x5a, 5 * MiB + 64);  // all of it is writable
+  CHECK(big[5 * MiB + 63] == 0x5a);
+  arena.deallocate(big);
+  arena.release_free_segments();  // the big segment is free, the first one is not
+  CHECK(arena.segment_count() == 1);
+  CHECK(arena.reserved_bytes() == 4 * MiB);
+  arena.deallocate(small);
+}
+
+TEST_CASE("arena: free segments go back to the system before a new one is mapped past max_cached") {
+  BlockArena arena(4 * MiB, 64 * KiB, 6 * MiB);
+  char* a = as_bytes(arena.allocate(3 * MiB));
+  char* b = as_bytes(arena.allocate(3 * MiB));  // does not fit a's segment: a second one
+  CHECK(arena.segment_count() == 2);
+  arena.deallocate(a);
+  arena.deallocate(b);
+  CHECK(arena.reserved_bytes() == 8 * MiB);  // cached: nothing is released on its own
+  // 8 MiB sit free; mapping another 10 MiB would hold 18 > 6 free, so both free segments go first.
+  char* c = as_bytes(arena.allocate(10 * MiB));
+  CHECK(arena.segment_count() == 1);
+  CHECK(arena.reserved_bytes() == 10 * MiB);
+  arena.deallocate(c);
+}
+
+TEST_CASE("arena: a request the system cannot map is std::bad_alloc, and the arena stays usable") {
+  BlockArena arena(4 * MiB, 64 * KiB, 1024 * MiB);
+  char* a = as_bytes(arena.allocate(1 * MiB));
+  CHECK_THROWS_AS(arena.allocate(std::size_t(1) << 52), std::bad_alloc);  // 4 PiB: beyond any address space
+  CHECK(arena.segment_count() == 1);
+  CHECK(arena.in_use_bytes() == 1 * MiB);
+  CHECK(as_bytes(arena.allocate(1 * MiB)) == a + 1 * MiB);
+  arena.deallocate(nullptr);  // not from the arena: ignored
+  CHECK(arena.in_use_bytes() == 2 * MiB);
+}
+
+TEST_CASE("arena: random requests and frees never overlap, keep the counts, and merge back to whole segments") {
+  BlockArena arena(8 * MiB, 64 * KiB, 1024 * MiB);
+  std::mt19937_64 rng(7);
+  std::map<char*, std::size_t> live;  // address -> requested bytes
+  std::size_t requested = 0;
+  for (int i = 0; i < 4000; ++i) {
+    if (live.empty() || rng() % 5 < 3) {
+      const std::size_t size = (65 + rng() % (3 * 1024)) * 1024 / 64 * 64;  // 65 KiB .. 3 MiB
+      char* p = as_bytes(arena.allocate(size));
+      REQUIRE(reinterpret_cast<std::uintptr_t>(p) % BlockArena::kAlign == 0);
+      // No overlap with the live neighbours on either side.
+      auto next = live.lower_bound(p);
+      if (next != live.end()) REQUIRE(p + size <= next->first);
+      if (next != live.begin()) REQUIRE(std::prev(next)->first + std::prev(next)->second <= p);
+      std::memset(p, static_cast<int>(i & 0x7f), 64);  // touch it
+      live[p] = size;
+      requested += size;
+    } else {
+      auto it = std::next(live.begin(), static_cast<long>(rng() % live.size()));
+      arena.deallocate(it->first);
+      requested -= it->second;
+      live.erase(it);
+    }
+    // A block keeps at most a split's minimum beyond what was asked.
+    REQUIRE(arena.in_use_bytes() >= requested);
+    REQUIRE(arena.in_use_bytes() < requested + live.size() * 64 * KiB + 1);
+  }
+  CHECK(arena.reserved_bytes() == arena.segment_count() * 8 * MiB);  // every request fits one segment
+  for (auto& [p, size] : live) arena.deallocate(p);
+  CHECK(arena.in_use_bytes() == 0);
+  CHECK(arena.largest_free_block() == 8 * MiB);  // every segment is one block again
+  arena.release_free_segments();
+  CHECK(arena.reserved_bytes() == 0);
+  CHECK(arena.segment_count() == 0);
+}
