@@ -133,7 +133,8 @@ bool Node::take_grad(std::size_t i, Tensor& g) const {
   AutogradMeta& m = *slots()[i];
   if (m.grad.defined() || input_repeated(i) || !g.sole_owner() || g.dtype() != m.dtype || !(g.shape() == m.shape))
     return false;
-  m.grad.set(std::move(g));
+  m.grad.set(g);  // a copy first: should set() throw, g is still the caller's
+  g = Tensor();
   return true;
 }
 

@@ -3,13 +3,17 @@
 
 #include <sys/mman.h>
 
+#include <cassert>
+#include <functional>
 #include <memory>
 #include <new>
 
 namespace tg::detail {
 
+// Addresses of different mappings are ordered through std::less, which gives pointers a total order
+// (the built-in < does not promise one across objects).
 bool BlockArena::BySizeThenAddress::operator()(const Block* a, const Block* b) const {
-  return a->size != b->size ? a->size < b->size : a->addr < b->addr;
+  return a->size != b->size ? a->size < b->size : std::less<const char*>()(a->addr, b->addr);
 }
 
 BlockArena::BlockArena(std::size_t segment_bytes, std::size_t min_split, std::size_t max_cached)
@@ -42,10 +46,17 @@ BlockArena::Block* BlockArena::new_block(char* addr, std::size_t size) {
 
 BlockArena::Block* BlockArena::map_segment(std::size_t size) {
   constexpr std::size_t k2MiB = std::size_t(2) << 20;
+  if (size > (std::size_t(1) << 62)) throw std::bad_alloc();  // no system maps this; the rounding below stays exact
   const std::size_t bytes = size <= segment_bytes_ ? segment_bytes_ : (size + k2MiB - 1) / k2MiB * k2MiB;
-  if (reserved_ - in_use_ + bytes > max_cached_) release_free_segments_locked();
-  // MAP_NORESERVE: the pages are committed as they are touched, as malloc's large blocks are.
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  // Counted against the system's commit limit as malloc's large blocks are (no MAP_NORESERVE), so a
+  // request beyond the memory there is is refused here, not met by the OOM killer at first touch.
+  // Refused, the segments with nothing in use go back and the mapping is tried once more.
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED && segments_ > 0) {
+    const std::size_t before = reserved_;
+    release_free_segments_locked();
+    if (reserved_ < before) p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  }
   if (p == MAP_FAILED) throw std::bad_alloc();
   Block* b = nullptr;
   try {
@@ -62,6 +73,7 @@ BlockArena::Block* BlockArena::map_segment(std::size_t size) {
 }
 
 void* BlockArena::allocate(std::size_t size) {
+  assert(size > 0 && size % kAlign == 0);
   std::lock_guard<std::mutex> lock(mu_);
   // The smallest free block of at least `size` bytes, the lowest-addressed among equals.
   Block probe;
@@ -91,13 +103,15 @@ void* BlockArena::allocate(std::size_t size) {
 void BlockArena::deallocate(void* p) noexcept {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = used_.find(p);
-  if (it == used_.end()) return;  // not ours: nothing to do (the caller only passes our blocks)
+  assert(it != used_.end() && "BlockArena::deallocate: a pointer not from allocate(), or freed twice");
+  if (it == used_.end()) return;
   Block* b = it->second;
   used_.erase(it);
   in_use_ -= b->size;
   b->free = true;
-  // Merge with a free neighbour on either side: the neighbour leaves the free set (its node goes
-  // back into it), the two become one block, and the absorbed block is deleted with its node.
+  // Merge with a free neighbour on either side: the neighbour leaves the free set (its node moves
+  // into the neighbour's `node` member), the two become one block, and the absorbed block is
+  // deleted with its node.
   if (Block* a = b->prev; a && a->free) {
     a->node = free_.extract(a);
     a->size += b->size;
@@ -114,6 +128,7 @@ void BlockArena::deallocate(void* p) noexcept {
     delete c;
   }
   free_.insert(std::move(b->node));
+  if (reserved_ - in_use_ > max_cached_) release_free_segments_locked();
 }
 
 void BlockArena::release_free_segments_locked() noexcept {
@@ -143,6 +158,10 @@ std::size_t BlockArena::reserved_bytes() const {
 std::size_t BlockArena::in_use_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return in_use_;
+}
+std::size_t BlockArena::free_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reserved_ - in_use_;
 }
 std::size_t BlockArena::largest_free_block() const {
   std::lock_guard<std::mutex> lock(mu_);

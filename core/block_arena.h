@@ -3,8 +3,8 @@
 //
 // An exact-size cache (a freed block serves the next request of its size only) keeps, for every
 // size, the most blocks of that size ever alive at once, and the sum of those maxima is more than
-// was ever in use at one moment: at the medium GPT size with activation checkpointing it held
-// 35-90 MiB beyond the tensors' peak. Here a large request takes the smallest free block it fits
+// is ever in use at one moment: at the medium GPT size with activation checkpointing such a cache
+// holds 35-90 MiB beyond the tensors' peak. Here a large request takes the smallest free block it fits
 // (the lowest-addressed of equals), and what it does not need is split off as a free block of its
 // own; a freed block merges with free neighbours, so the same memory serves different sizes from
 // one phase of a step to the next. This is the scheme of PyTorch's CUDA caching allocator
@@ -14,8 +14,9 @@
 // Segments are mapped from the system (anonymous mmap) and kept: a page costs resident memory from
 // its first touch, so a segment's untouched tail costs nothing, and after the first step or two a
 // training loop's requests land on pages already touched, without a system call or a page fault.
-// Segments with nothing in use go back to the system on release_free_segments(), and before a new
-// segment is mapped once more than max_cached bytes sit free.
+// Segments with nothing in use go back to the system on release_free_segments(), when a free
+// leaves more than max_cached bytes free, and when the system refuses a new segment (then the
+// mapping is tried once more).
 #include <cstddef>
 #include <mutex>
 #include <set>
@@ -25,9 +26,10 @@ namespace tg::detail {
 
 class BlockArena {
  public:
-  // Segments are segment_bytes, or the request rounded up to 2 MiB if larger; requests and splits
-  // are multiples of kAlign, and a split leaves at least min_split bytes in the free part (less would
-  // serve no later request: smaller requests do not come here).
+  // Segments are segment_bytes, or the request rounded up to a multiple of 2 MiB if larger (a
+  // round size, so that a freed large segment serves a slightly larger request later); requests
+  // and splits are multiples of kAlign, and a split leaves at least min_split bytes in the free part
+  // (the caching allocator sends only requests above min_split here, so less would serve none).
   BlockArena(std::size_t segment_bytes, std::size_t min_split, std::size_t max_cached);
   ~BlockArena();  // unmaps every segment; blocks still in use become invalid
   BlockArena(const BlockArena&) = delete;
@@ -36,11 +38,12 @@ class BlockArena {
   static constexpr std::size_t kAlign = 64;
 
   void* allocate(std::size_t size);      // size > 0, a multiple of kAlign; throws std::bad_alloc
-  void deallocate(void* p) noexcept;     // p from allocate(); allocates nothing, so it cannot fail
+  void deallocate(void* p) noexcept;     // p from allocate(), once; allocates nothing, so it cannot fail
   void release_free_segments() noexcept;  // unmaps the segments with no block in use
 
   std::size_t reserved_bytes() const;  // mapped from the system
   std::size_t in_use_bytes() const;    // handed out (whole blocks, so at least what was asked)
+  std::size_t free_bytes() const;      // reserved and not in use (touched or not), read under one lock
   std::size_t largest_free_block() const;
   std::size_t segment_count() const;
 

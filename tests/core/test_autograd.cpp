@@ -167,9 +167,11 @@ TEST_CASE("gradcheck reports a wrong gradient") {
 }
 
 TEST_CASE("Node::take_grad hands a gradient buffer over when nothing else holds it, and declines otherwise") {
-  // "twice": y = 3 * x recorded with x as both inputs; the backward offers a fresh buffer of 3 * dy
-  // to input 0 and, when that is declined, adds it through write_grad. `handed` is the address
-  // offered, and whether take_grad took it; `keep` holds a second reference when set.
+  // y = 3 * x, recorded with x once, or (twice) as both inputs, each carrying half. The backward
+  // offers a fresh buffer of the gradient to input 0 and, when that is declined, writes it through
+  // write_grad. `handed` is the address offered, `taken` what take_grad returned; when `share` is
+  // set, `keep` holds a second reference to the buffer. (Declined or not, x's gradient is 3: the
+  // checks on `taken` and the addresses are what tell the paths apart.)
   struct Probe {
     const void* handed = nullptr;
     bool taken = false;
@@ -236,7 +238,8 @@ TEST_CASE("Node::take_grad hands a gradient buffer over when nothing else holds 
       Tensor wrong_shape = zeros({2, 2}, float64), wrong_dtype = zeros({4}, float32);
       shape_taken = n.take_grad(0, wrong_shape);
       dtype_taken = n.take_grad(0, wrong_dtype);
-      CHECK(wrong_shape.defined());  // left as it was
+      CHECK(wrong_shape.defined());  // both left as they were
+      CHECK(wrong_dtype.defined());
       Tensor g = n.grad_out().clone();
       REQUIRE(n.take_grad(0, g));
       CHECK_FALSE(g.defined());  // moved into x's gradient

@@ -1,10 +1,16 @@
 // The caching allocator's arena for large blocks (core/block_arena.h): best fit, splitting, merging
 // of free neighbours, segments, and the bookkeeping a training loop's memory depends on. Each case
 // uses an arena of its own, so addresses and counts are exact.
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <map>
+#include <string>
 #include <new>
 #include <random>
 #include <vector>
@@ -55,7 +61,8 @@ TEST_CASE("arena: a request takes the smallest free block it fits, the lowest-ad
   char* far = as_bytes(arena.allocate(15 * MiB));
   CHECK(arena.segment_count() == 2);
   arena.deallocate(p[0]);
-  CHECK(as_bytes(arena.allocate(1 * MiB)) == std::min(p[0], far + 15 * MiB));
+  const auto lower = std::min(reinterpret_cast<std::uintptr_t>(p[0]), reinterpret_cast<std::uintptr_t>(far + 15 * MiB));
+  CHECK(reinterpret_cast<std::uintptr_t>(arena.allocate(1 * MiB)) == lower);
 }
 
 TEST_CASE("arena: a freed block merges with free neighbours, so the memory serves any size again") {
@@ -96,29 +103,64 @@ TEST_CASE("arena: a request larger than a segment gets a segment of its own, rou
   arena.deallocate(small);
 }
 
-TEST_CASE("arena: free segments go back to the system before a new one is mapped past max_cached") {
+TEST_CASE("arena: a free that leaves more than max_cached bytes free returns the free segments") {
   BlockArena arena(4 * MiB, 64 * KiB, 6 * MiB);
   char* a = as_bytes(arena.allocate(3 * MiB));
   char* b = as_bytes(arena.allocate(3 * MiB));  // does not fit a's segment: a second one
   CHECK(arena.segment_count() == 2);
+  arena.deallocate(a);  // 4 + 1 MiB free, within the bound: a's segment stays, whole and free
+  CHECK(arena.segment_count() == 2);
+  CHECK(arena.free_bytes() == 5 * MiB);
+  CHECK(as_bytes(arena.allocate(4 * MiB)) == a);  // and serves the next request without a mapping
   arena.deallocate(a);
-  arena.deallocate(b);
-  CHECK(arena.reserved_bytes() == 8 * MiB);  // cached: nothing is released on its own
-  // 8 MiB sit free; mapping another 10 MiB would hold 18 > 6 free, so both free segments go first.
-  char* c = as_bytes(arena.allocate(10 * MiB));
-  CHECK(arena.segment_count() == 1);
-  CHECK(arena.reserved_bytes() == 10 * MiB);
-  arena.deallocate(c);
+  arena.deallocate(b);  // 8 MiB free, over the bound: both segments, now whole, go back
+  CHECK(arena.segment_count() == 0);
+  CHECK(arena.reserved_bytes() == 0);
 }
 
-TEST_CASE("arena: a request the system cannot map is std::bad_alloc, and the arena stays usable") {
+TEST_CASE("arena: a mapping the system refuses is tried again after the free segments go back") {
+  // In a child process, with a free 64 MiB segment cached, under an address-space limit 40 MiB
+  // above what is mapped: an 80 MiB segment can be mapped only after the cached one goes back.
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    int code = 0;
+    try {
+      BlockArena arena(64 * MiB, 64 * KiB, 1024 * MiB);
+      void* a = arena.allocate(64 * MiB);
+      arena.deallocate(a);  // kept: within max_cached
+      if (arena.segment_count() != 1) ::_exit(2);
+      rlimit cap{};
+      ::getrlimit(RLIMIT_AS, &cap);
+      std::ifstream status("/proc/self/status");
+      std::string line;
+      std::size_t vm_kb = 0;
+      while (std::getline(status, line))
+        if (line.rfind("VmSize:", 0) == 0) vm_kb = std::stoull(line.substr(7));
+      cap.rlim_cur = vm_kb * 1024 + 40 * MiB;  // the cached 64 MiB are inside VmSize already
+      if (::setrlimit(RLIMIT_AS, &cap) != 0) ::_exit(3);
+      void* b = arena.allocate(80 * MiB);  // a new 80 MiB segment fits only once the 64 are gone
+      code = arena.segment_count() == 1 && arena.reserved_bytes() == 80 * MiB ? 0 : 4;
+      std::memset(b, 1, 4096);
+    } catch (const std::bad_alloc&) {
+      code = 5;
+    }
+    ::_exit(code);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);  // 5: bad_alloc, the retry did not happen
+}
+
+TEST_CASE("arena: a request the system cannot map throws std::bad_alloc and changes nothing") {
   BlockArena arena(4 * MiB, 64 * KiB, 1024 * MiB);
   char* a = as_bytes(arena.allocate(1 * MiB));
   CHECK_THROWS_AS(arena.allocate(std::size_t(1) << 52), std::bad_alloc);  // 4 PiB: beyond any address space
+  CHECK_THROWS_AS(arena.allocate(~std::size_t(0) / 64 * 64), std::bad_alloc);  // would overflow the rounding
   CHECK(arena.segment_count() == 1);
   CHECK(arena.in_use_bytes() == 1 * MiB);
   CHECK(as_bytes(arena.allocate(1 * MiB)) == a + 1 * MiB);
-  arena.deallocate(nullptr);  // not from the arena: ignored
   CHECK(arena.in_use_bytes() == 2 * MiB);
 }
 
@@ -129,13 +171,14 @@ TEST_CASE("arena: random requests and frees never overlap, keep the counts, and 
   std::size_t requested = 0;
   for (int i = 0; i < 4000; ++i) {
     if (live.empty() || rng() % 5 < 3) {
-      const std::size_t size = (65 + rng() % (3 * 1024)) * 1024 / 64 * 64;  // 65 KiB .. 3 MiB
+      const std::size_t size = (65 + rng() % (3 * 1024)) * 1024;  // 65 KiB .. 3136 KiB, whole KiB
       char* p = as_bytes(arena.allocate(size));
       REQUIRE(reinterpret_cast<std::uintptr_t>(p) % BlockArena::kAlign == 0);
       // No overlap with the live neighbours on either side.
       auto next = live.lower_bound(p);
-      if (next != live.end()) REQUIRE(p + size <= next->first);
-      if (next != live.begin()) REQUIRE(std::prev(next)->first + std::prev(next)->second <= p);
+      const auto at = [](const char* q) { return reinterpret_cast<std::uintptr_t>(q); };
+      if (next != live.end()) REQUIRE(at(p) + size <= at(next->first));
+      if (next != live.begin()) REQUIRE(at(std::prev(next)->first) + std::prev(next)->second <= at(p));
       std::memset(p, static_cast<int>(i & 0x7f), 64);  // touch it
       live[p] = size;
       requested += size;
@@ -152,8 +195,8 @@ TEST_CASE("arena: random requests and frees never overlap, keep the counts, and 
   CHECK(arena.reserved_bytes() == arena.segment_count() * 8 * MiB);  // every request fits one segment
   for (auto& [p, size] : live) arena.deallocate(p);
   CHECK(arena.in_use_bytes() == 0);
-  CHECK(arena.largest_free_block() == 8 * MiB);  // every segment is one block again
-  arena.release_free_segments();
+  CHECK(arena.largest_free_block() == 8 * MiB);
+  arena.release_free_segments();  // releases whole free segments only: all go, so each was one block again
   CHECK(arena.reserved_bytes() == 0);
   CHECK(arena.segment_count() == 0);
 }

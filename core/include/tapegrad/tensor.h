@@ -42,8 +42,12 @@ struct Storage {
 // The caching allocator keeps freed blocks for reuse (small ones by exact size, large ones in
 // segments it splits and merges: core/block_arena.h), so a training step that allocates the same
 // activations every iteration stops page-faulting fresh memory after the first one or two.
-std::size_t cached_bytes();  // bytes held by the cache and not in use (small-block lists, this thread's, segments' free space)
-void empty_cache();          // returns the small blocks and the segments with nothing in use to the system
+// cached_bytes: bytes the cache holds from the system and does not use: the small-block lists
+// (shared, and this thread's) and the segments' free space, touched or not (a segment's untouched
+// tail costs no resident memory). empty_cache returns the small blocks and the segments with
+// nothing in use to the system; a segment holding a live tensor stays, free space and all.
+std::size_t cached_bytes();
+void empty_cache();
 // Bytes of tensor memory in use (all threads; the few bytes kept inside a Storage excepted), and
 // the most in use at once since the program started or reset_peak_memory_stats() (PyTorch's
 // torch.cuda.memory_allocated, max_memory_allocated and reset_peak_memory_stats, for this CPU
