@@ -100,6 +100,14 @@ void* BlockArena::allocate(std::size_t size) {
   return b->addr;
 }
 
+void BlockArena::absorb_next(Block* b) noexcept {
+  Block* n = b->next;
+  b->size += n->size;
+  b->next = n->next;
+  if (n->next) n->next->prev = b;
+  delete n;  // with its node
+}
+
 void BlockArena::deallocate(void* p) noexcept {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = used_.find(p);
@@ -110,22 +118,15 @@ void BlockArena::deallocate(void* p) noexcept {
   in_use_ -= b->size;
   b->free = true;
   // Merge with a free neighbour on either side: the neighbour leaves the free set (its node moves
-  // into the neighbour's `node` member), the two become one block, and the absorbed block is
-  // deleted with its node.
+  // into the neighbour's `node` member), and the two become one block.
   if (Block* a = b->prev; a && a->free) {
     a->node = free_.extract(a);
-    a->size += b->size;
-    a->next = b->next;
-    if (b->next) b->next->prev = a;
-    delete b;
+    absorb_next(a);
     b = a;
   }
   if (Block* c = b->next; c && c->free) {
     c->node = free_.extract(c);
-    b->size += c->size;
-    b->next = c->next;
-    if (c->next) c->next->prev = b;
-    delete c;
+    absorb_next(b);
   }
   free_.insert(std::move(b->node));
   if (reserved_ - in_use_ > max_cached_) release_free_segments_locked();

@@ -69,6 +69,7 @@ class BlockArena {
   Block* new_block(char* addr, std::size_t size);  // with its node; throws std::bad_alloc
   Block* map_segment(std::size_t size);            // a free block that is a whole new segment
   void release_free_segments_locked() noexcept;
+  void absorb_next(Block* b) noexcept;  // b takes in its next neighbour (out of the free set), which is deleted
 
   const std::size_t segment_bytes_, min_split_, max_cached_;
   mutable std::mutex mu_;
