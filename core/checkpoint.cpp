@@ -3,11 +3,11 @@
 // a tape of its own, checks what it read, and walks that tape back.
 #include "tapegrad/checkpoint.h"
 
-#include <cstring>
 #include <unordered_set>
 
 #include "autocast_cache.h"
-#include "dispatch.h"
+#include "dispatch.h"  // check_defined
+#include "ops/internal.h"
 #include "tape_internal.h"
 #include "tapegrad/autocast.h"
 #include "tapegrad/random.h"
@@ -171,23 +171,12 @@ Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& x, cons
       }
     }  // the segment's tape is empty again
     if (!n.needs_grad(0)) return;
-    if (gx.defined() && n.take_grad(0, gx)) return;  // the inner walk's buffer becomes x's gradient
-    GradDest dx = n.write_grad(0);
-    const std::size_t bytes = dx.buf->nbytes();
-    if (!gx.defined()) {  // fn's result does not depend on x
-      if (!dx.acc) std::memset(dx.buf->raw_data(), 0, bytes);
+    if (!gx.defined()) {  // fn's result does not depend on x: x's gradient gets zeros added
+      n.add_grad(0);      // (a new one is zero-filled)
       return;
     }
-    if (!dx.acc) {
-      std::memcpy(dx.buf->raw_data(), gx.raw_data(), bytes);
-      return;
-    }
-    detail::dispatch_float("checkpoint", gx.dtype(), [&](auto z) {
-      using T = decltype(z);
-      T* d = dx.ptr<T>();
-      const T* g = gx.data<T>();
-      for (std::int64_t i = 0; i < gx.numel(); ++i) d[i] += g[i];
-    });
+    if (n.take_grad(0, gx)) return;  // the inner walk's buffer becomes x's gradient
+    detail::accumulate_flat(gx, n.write_grad(0));
   };
   record(op, inputs, {&y}, Saved{x.detach()}, std::move(backward_fn));
   return y;

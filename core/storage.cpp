@@ -5,7 +5,8 @@
 // a page fault. Blocks of up to kSmallMax bytes are cached by exact size (a list per size, no
 // search); larger ones come from a BlockArena (block_arena.h), which splits and merges them so the
 // same memory serves different sizes. Each of the two is bounded (kMaxCached free bytes); beyond it
-// blocks (small) or whole free segments (large) go back to the system. Under AddressSanitizer the cache is off so that use-after-free stays detectable.
+// blocks (small) or whole free segments (large) go back to the system. Under AddressSanitizer the
+// cache is off so that use-after-free stays detectable.
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
@@ -232,7 +233,7 @@ std::size_t cached_bytes() {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   const LocalLists* local = LocalLists::mine();
-  return c.bytes + (c.large.free_bytes()) + (local ? local->bytes : 0);
+  return c.bytes + c.large.free_bytes() + (local ? local->bytes : 0);
 }
 
 void empty_cache() {

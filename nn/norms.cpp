@@ -76,7 +76,8 @@ Tensor BatchNorm1d::forward(const Tensor& x) {
   if (x.dim() < 1 || x.size(cdim) != n)
     fail("BatchNorm1d", "expects ", channels_last ? "(..., C)" : "(N, C) or (N, C, L)", " with C = ", n, ", got ", x.shape());
   Tensor y = batch_norm(x, running_mean, running_var, weight, bias, is_training(), momentum, eps, channels_last);
-  if (is_training() && num_batches_tracked.defined() && !in_checkpoint_recompute()) num_batches_tracked.data<std::int32_t>()[0] += 1;
+  if (is_training() && num_batches_tracked.defined() && !in_checkpoint_recompute())  // counted once per forward
+    num_batches_tracked.data<std::int32_t>()[0] += 1;
   return y;
 }
 std::string BatchNorm1d::extra_repr() const {

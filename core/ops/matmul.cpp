@@ -216,6 +216,11 @@ namespace {
 // and the input's: x_bf16 is then defined and x is not.
 struct LinearSaved { Tensor x, w, w_bf16, x_bf16; };
 const kernels::bf16* bf16_data(const Tensor& t) { return static_cast<const kernels::bf16*>(t.raw_data()); }  // w_bf16: undefined outside an autocast scope
+// linear's input as a bf16 product reads it: its bf16 copy when there is one, else x itself
+// (float32, rounded the same way while the product packs it).
+kernels::Bf16Operand input_operand(const Tensor& x, const Tensor& x_bf16, std::int64_t in) {
+  return x_bf16.defined() ? kernels::Bf16Operand(bf16_data(x_bf16), in) : kernels::Bf16Operand(x.data<float>(), in);
+}
 template <class T>
 void linear_backward_products(const LinearSaved& s, GradDest& dx, GradDest& dw, const T* G, std::int64_t rows,
                               std::int64_t in, std::int64_t out) {
@@ -226,10 +231,8 @@ void linear_backward_products(const LinearSaved& s, GradDest& dx, GradDest& dw, 
       const kernels::bf16* wh = bf16_data(s.w_bf16);
       const kernels::GemmBf16 px{false, false, rows, in, out, 1.0f, Bf16Operand(G, out), Bf16Operand(wh, in),
                                  dx.acc ? 1.0f : 0.0f, dx.ptr<float>(), in};
-      const Bf16Operand xs =
-          s.x_bf16.defined() ? Bf16Operand(bf16_data(s.x_bf16), in) : Bf16Operand(s.x.data<float>(), in);
-      const kernels::GemmBf16 pw{true, false, out, in, rows, 1.0f, Bf16Operand(G, out), xs, dw.acc ? 1.0f : 0.0f,
-                                 dw.ptr<float>(), in};
+      const kernels::GemmBf16 pw{true, false, out, in, rows, 1.0f, Bf16Operand(G, out), input_operand(s.x, s.x_bf16, in),
+                                 dw.acc ? 1.0f : 0.0f, dw.ptr<float>(), in};
       if (pair) kernels::gemm_bf16_pair(px, pw);
       else {
         if (dx.defined()) kernels::gemm_bf16(px);
@@ -295,11 +298,10 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   for (int d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   Tensor y = Tensor::empty(yshape, x.dtype());
   // Inside an autocast scope a float32 weight is used as its bf16 copy (cast once per scope). When
-  // the op is recorded and w needs a gradient (dw = dy^T x reads x), x is rounded to bf16 once,
-  // before the product, and the node keeps that
-  // copy instead of x: the backward's dw = dy^T x reads it, half the bytes of x kept from the
-  // forward to the backward, and the same bits (the product rounds a float32 operand the same way
-  // while it packs it).
+  // the op is recorded and w needs a gradient (the backward's dw = dy^T x reads x), x is rounded
+  // to bf16 once, before the product, and the node keeps that copy instead of x: half the bytes
+  // kept from the forward to the backward, and the same bits (the product rounds a float32
+  // operand the same way while it packs it).
   const Tensor w_bf16 = detail::t_autocast && x.dtype() == DType::f32 && in > 0 ? detail::autocast_bf16(w) : Tensor();
   const bool recording = should_record({&x, &w, &b});
   const bool keep_x_bf16 = w_bf16.defined() && recording && w.requires_grad() && rows * out > 0;
@@ -320,13 +322,9 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
       return;
     }
     if constexpr (std::is_same_v<T, float>)
-      if (w_bf16.defined()) {
-        if (x_bf16.defined())
-          return kernels::gemm_bf16(false, true, rows, out, in, 1.0f, bf16_data(x_bf16), in, bf16_data(w_bf16), in, beta,
-                                    Y, out);
-        return kernels::gemm_bf16(false, true, rows, out, in, 1.0f, x.data<float>(), in, bf16_data(w_bf16), in, beta, Y,
-                                  out);
-      }
+      if (w_bf16.defined())
+        return kernels::gemm_bf16(kernels::GemmBf16{false, true, rows, out, in, 1.0f, input_operand(x, x_bf16, in),
+                                                    kernels::Bf16Operand(bf16_data(w_bf16), in), beta, Y, out});
     gemm<T>(false, true, rows, out, in, T(1), x.data<T>(), in, w.data<T>(), in, beta, Y, out);
   });
   if (recording) {

@@ -12,6 +12,7 @@
 namespace tg {
 
 using namespace kernels;
+using detail::accumulate_flat;
 using detail::dispatch_all;
 using detail::dispatch_float;
 
@@ -44,20 +45,6 @@ std::vector<int> inverse_perm(const std::vector<int>& perm) {
   return inv;
 }
 
-}  // namespace detail
-
-namespace {
-
-// A bfloat16 tensor's gradient is bfloat16, and only the ops without arithmetic in their backward
-// (to, reshape, clone) carry one; the others refuse to record rather than fail in backward().
-void refuse_bf16_grad(const char* op, const Tensor& x) {
-  if (x.dtype() == DType::bf16 && x.requires_grad() && grad_enabled())
-    fail(op, "cannot differentiate through a bfloat16 tensor ", x.shape(),
-         " (only to, reshape and clone can); convert it with to(float32) first");
-}
-
-// dx (+)= dy, same number of elements (reshape, clone, and the float casts' identity part): a
-// copy into a fresh gradient, an add into one that holds another path's part.
 void accumulate_flat(const Tensor& dy, GradDest dx) {
   const std::int64_t n = dx.buf->numel();
   if (dx.buf->dtype() == DType::bf16) {  // a gradient of a bfloat16 tensor (one that to() made)
@@ -83,6 +70,19 @@ void accumulate_flat(const Tensor& dy, GradDest dx) {
     });
   });
 }
+
+}  // namespace detail
+
+namespace {
+
+// A bfloat16 tensor's gradient is bfloat16, and only the ops without arithmetic in their backward
+// (to, reshape, clone) carry one; the others refuse to record rather than fail in backward().
+void refuse_bf16_grad(const char* op, const Tensor& x) {
+  if (x.dtype() == DType::bf16 && x.requires_grad() && grad_enabled())
+    fail(op, "cannot differentiate through a bfloat16 tensor ", x.shape(),
+         " (only to, reshape and clone can); convert it with to(float32) first");
+}
+
 
 }  // namespace
 
