@@ -12,6 +12,7 @@
 #include <unordered_map>
 
 #include "dispatch.h"
+#include "kernels/bf16.h"
 #include "kernels/parallel.h"
 #include "pool.h"
 #include "tapegrad/ops.h"
@@ -154,6 +155,73 @@ GradDest Node::write_grad_over_output(std::size_t i, std::size_t j) const {
     }
   }
   return write_grad(i);
+}
+
+// ---- the tape combines: new_grad and pass_grad ----
+
+namespace {
+
+// Whether nothing but g itself and this node's outputs' gradient slots (which the walk empties as
+// soon as the node has run, unless the user retains them) holds g's memory: then the tape may keep
+// g as an input's gradient and add into it later.
+bool held_only_here(const Node& n, const Tensor& g) {
+  std::size_t transient = 0;
+  for (const auto& o : n.outputs())
+    if (!o->retains_grad && o->grad.get().shares_storage(g)) ++transient;
+  return g.storage_refs() <= 1 + transient;
+}
+
+// dst += src, elementwise over the same number of elements; float32, float64 or bfloat16 (through
+// float32, rounded back).
+void add_into(Tensor& dst, const Tensor& src) {
+  const std::int64_t count = dst.numel();
+  if (dst.dtype() == DType::bf16) {
+    kernels::bf16* d = dst.data<kernels::bf16>();
+    const kernels::bf16* g = src.data<kernels::bf16>();
+    for (std::int64_t i = 0; i < count; ++i) d[i] = kernels::to_bf16(kernels::to_float(d[i]) + kernels::to_float(g[i]));
+    return;
+  }
+  detail::dispatch_float("backward", dst.dtype(), [&](auto z) {
+    using T = decltype(z);
+    T* d = dst.data<T>();
+    const T* g = src.data<T>();
+    kernels::parallel_for(count, count, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t i = lo; i < hi; ++i) d[i] += g[i];
+    });
+  });
+}
+
+}  // namespace
+
+Tensor Node::new_grad(std::size_t i) const {
+  if (!needs_grad(i)) return Tensor();
+  const AutogradMeta& m = *slots()[i];
+  if (overwrite_ok_ && !grad_out_given_ && n_out > 0) {
+    const AutogradMeta& o = *outputs()[0];
+    const Tensor& dy = o.grad.get();
+    if (!o.retains_grad && dy.defined() && dy.sole_owner() && dy.dtype() == m.dtype && dy.numel() == m.shape.numel()) {
+      grad_out_given_ = true;
+      return dy.alias(m.shape);
+    }
+  }
+  return Tensor::empty(m.shape, m.dtype);
+}
+
+void Node::pass_grad(std::size_t i, Tensor&& g) const {
+  if (!needs_grad(i) || !g.defined()) return;
+  AutogradMeta& m = *slots()[i];
+  if (g.dtype() != m.dtype || g.numel() != m.shape.numel())
+    fail(op, "backward passed a ", g.dtype(), " gradient of shape ", g.shape(), " for input ", i, ", a ", m.dtype,
+         " tensor of shape ", m.shape);
+  if (m.grad.defined()) {  // another consumer ran first, or a leaf kept its gradient: add
+    add_into(*m.grad.ptr(), g);
+    return;
+  }
+  // An empty slot takes the buffer; memory shared with anything that outlives this node (a
+  // retained gradient, the caller's seed, a saved tensor) is copied first, so that a later add
+  // into the slot writes nothing but the gradient.
+  Tensor keep = held_only_here(*this, g) ? std::move(g) : g.clone_data();
+  m.grad.set(keep.shape() == m.shape ? std::move(keep) : keep.alias(m.shape));
 }
 
 std::size_t Node::bytes_saved() const {

@@ -149,6 +149,11 @@ Tensor Tensor::slice(int d, std::int64_t start, std::int64_t end, std::int64_t s
   return tg::slice(*this, d, start, end, step);
 }
 Tensor Tensor::clone() const { return tg::clone(*this); }
+Tensor Tensor::clone_data() const {
+  Tensor t = Tensor::empty(shape_, dtype_);
+  if (nbytes()) std::memcpy(t.raw_data(), raw_data(), nbytes());
+  return t;
+}
 Tensor Tensor::to(DType d) const { return tg::to(*this, d); }
 Tensor Tensor::sum(const std::vector<int>& axes, bool keepdim) const { return tg::sum(*this, axes, keepdim); }
 Tensor Tensor::mean(const std::vector<int>& axes, bool keepdim) const { return tg::mean(*this, axes, keepdim); }

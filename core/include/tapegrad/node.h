@@ -79,6 +79,23 @@ struct Node {
   // yet and is not passed twice, and g has its dtype and shape and is held by nothing else.
   // Returns false otherwise, leaving g as it was: write it through write_grad.
   bool take_grad(std::size_t i, Tensor& g) const;
+  // ---- the one rule: a backward kernel writes a fresh gradient; the tape combines ----
+  // A fresh, uninitialised buffer for input i's gradient (input i's shape and dtype), or an
+  // undefined tensor when input i needs none. For a node recorded with may_overwrite_grad_out(),
+  // the first call may instead return output 0's gradient itself, viewed in input i's shape, when
+  // nothing else holds it: the kernel then writes dx over dy, reading dy[k] before writing dx[k].
+  Tensor new_grad(std::size_t i) const;
+  // Hands g, input i's gradient (or this node's part of it), to the tape: an input with no
+  // gradient yet takes the buffer itself; otherwise the tape adds g to the gradient already there
+  // (micrograd's +=, ggml's add_or_set). An undefined g, or an input that needs no gradient, is
+  // ignored. g has input i's dtype and number of elements.
+  void pass_grad(std::size_t i, Tensor&& g) const;
+  // Declared when an op records: its backward kernel is elementwise and may write input 0's
+  // gradient over output 0's (see new_grad). Returns *this.
+  Node& may_overwrite_grad_out() {
+    overwrite_ok_ = true;
+    return *this;
+  }
   // Whether input i needs a gradient at all (write_grad / add_grad return null dests when not).
   bool needs_grad(std::size_t i) const { return i < n_in && slots()[i] != nullptr; }
   // Input i's shape as recorded (for printing and messages; not available once the node is freed).
@@ -113,6 +130,8 @@ struct Node {
   std::size_t saved_count() const { return n_saved; }
   std::uint32_t n_in = 0, n_other = 0, n_out = 0, n_saved = 0;
   bool freed = false;
+  bool overwrite_ok_ = false;             // may_overwrite_grad_out()
+  mutable bool grad_out_given_ = false;   // new_grad handed output 0's gradient out
   std::uint64_t undefined_inputs = 0;  // bit i: input i was an undefined (optional) tensor
   Tensor* saved_ = nullptr;            // n_saved tensors; the slots follow them
   void* closure_ = nullptr;            // the backward closure, in the tape's arena

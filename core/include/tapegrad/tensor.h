@@ -127,6 +127,10 @@ class Tensor {
   }
   // Internal: no other tensor shares this one's memory.
   bool sole_owner() const { return storage_.unique(); }
+  // Internal: the number of tensors that share this one's memory, itself included.
+  std::size_t storage_refs() const { return static_cast<std::size_t>(storage_.use_count()); }
+  // Internal: a copy of the data, without autograd history.
+  Tensor clone_data() const;
   // Internal: the same storage under another shape of equal numel, without autograd history.
   Tensor alias(const Shape& shape) const { return Tensor(storage_, shape, dtype_); }
   Tensor(detail::Ref<Storage> s, const Shape& shape, DType dtype)
