@@ -16,7 +16,8 @@
 #include "block_arena.h"
 #include "per_thread.h"
 #include "pool.h"
-#include "tapegrad/tensor.h"
+#include "tapegrad/memory.h"
+#include "tapegrad//tensor.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define TG_CACHE_ENABLED 0

@@ -4,6 +4,7 @@
 // tapegrad/autograd.h and tapegrad/node.h.
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -44,6 +45,15 @@ class Arena {
 // The operations on a tape that recording, backward() and the sweep need (core/autograd.cpp).
 struct TapeAccess {
   static Node& node(Tape& t, std::size_t i) { return t.nodes_[i]; }
+  static void run(Node& n) { n.ops_->call(n.closure_, n); }
+  static std::uint64_t undefined_inputs(const Node& n) { return n.undefined_inputs_; }
+  static std::size_t n_saved(const Node& n) { return n.n_saved_; }
+  static const Tensor* saved(const Node& n) { return n.saved_; }
+  // Destroys node n's saved tensors, closure and slots (their memory goes back with the tape's
+  // arena), leaves its arrays empty and marks it freed.
+  static void release(Node& n);
+  static void fill(Node& n, const char* op, Tensor* saved, std::size_t n_saved, std::size_t n_in, std::size_t n_out,
+                   std::size_t n_other, std::uint64_t undefined, void* closure);
   static std::uint64_t generation(const Tape& t) { return t.generation_; }
   static Arena& arena(Tape& t) { return *t.arena_; }
   // A new node at the end of the tape; sweeps first when a trigger is reached.
@@ -58,6 +68,19 @@ struct TapeAccess {
   // back (freeing one may make an earlier one unreachable); empties the tape when nothing is left.
   static void sweep(Tape& t);
 };
+
+// ---- gradient hooks (core/hooks.cpp) ----
+// A hook due during a walk: it fires once every node with an index above `after` has run.
+struct DueHook {
+  std::int64_t after;  // the index of the last node that adds into the leaf (-1: the leaf is the root)
+  Ref<AutogradMeta> leaf;
+  std::function<void(const Tensor&)> fn;
+};
+bool hooks_registered();  // one relaxed atomic load: a backward without hooks pays nothing more
+// The hooks a walk from root (its reached nodes marked with `mark`) fires, in firing order.
+std::vector<DueHook> due_hooks(Tape& tp, AutogradMeta& root, std::uint64_t mark);
+// Fires the due hooks whose leaves no node at or below index `below` adds into any more.
+void fire_hooks(std::vector<DueHook>::iterator& next, std::vector<DueHook>::iterator end, std::int64_t below);
 
 // When set, backward() on this thread fires no gradient hooks: a checkpointed segment's inner
 // backward (core/checkpoint.cpp), whose parameters' hooks the outer walk fires once it has passed

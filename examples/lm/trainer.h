@@ -28,6 +28,7 @@
 
 #include "lm/corpus.h"
 #include "lm/parallel.h"
+#include "tapegrad/memory.h"
 
 namespace lm {
 

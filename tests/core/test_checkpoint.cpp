@@ -11,6 +11,7 @@
 
 #include "autocast_cache.h"
 #include "helpers.h"
+#include "tapegrad/memory.h"
 
 using namespace tg;
 using namespace tgtest;

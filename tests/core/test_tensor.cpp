@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "helpers.h"
+#include "tapegrad/memory.h"
 
 using namespace tg;
 using namespace tgtest;

@@ -36,6 +36,7 @@
 #include "helpers.h"
 #include "lm/trainer.h"
 #include "lm_helpers.h"
+#include "tapegrad/memory.h"
 
 extern char** environ;
 

@@ -4,14 +4,14 @@
 // Every op whose inputs need a gradient appends one Node (tapegrad/node.h) to a thread-local
 // Tape, in execution order. backward(loss) seeds d loss / d loss = 1 and walks the tape in
 // reverse: the order of execution is already a topological order, so no sort is needed. Each node
-// reads the gradients of its outputs and writes or adds the gradients of its inputs. The nodes
+// reads the gradients of its outputs and hands its inputs' gradients to the tape, which adds up
+// the parts that reach one tensor. The nodes
 // that led to the loss are then freed (their saved activations released), unless the caller keeps
 // them for a second backward; other graphs recorded on the same tape stay usable. Nodes that
 // nothing can reach any more (every output dropped, e.g. a forward pass made for evaluation
 // without a NoGradGuard) are freed by a sweep as the tape grows.
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <iosfwd>
 #include <memory>
 #include <string>
@@ -23,8 +23,7 @@
 namespace tg {
 
 namespace detail {
-class Arena;        // core/tape_internal.h: the bump allocator for nodes' arrays and closures
-struct TapeAccess;  // core/tape_internal.h: recording, the backward walk and the sweep
+class Arena;  // core/tape_internal.h: the bump allocator for nodes' arrays and closures
 }  // namespace detail
 
 class Tape {
@@ -89,67 +88,5 @@ class NoGradGuard {
 // grad is undefined) and walks the tape back from root's node. keep_tape keeps the walked nodes
 // for another backward (PyTorch's retain_graph).
 void backward(const Tensor& root, const Tensor& grad = Tensor(), bool keep_tape = false);
-
-// ---- gradient hooks (PyTorch's Tensor.register_post_accumulate_grad_hook) ----
-// hook(grad) runs during a backward() that reaches `leaf`, as soon as leaf's gradient is final for
-// that backward: right after the last node of the walk that adds into it (the earliest-recorded of
-// its consumers), before the walk goes on, with leaf.grad() as argument. It runs on the thread
-// of the backward, with recording off; an exception from it stops the backward. A backward
-// that does not reach the leaf does not call it. Data parallelism (tg::dist) starts reducing a
-// bucket of gradients from here while the rest of the backward runs.
-// The hook stays until its handle is destroyed or remove()d; register only on a leaf that
-// requires grad (a parameter). A backward with no hook registered anywhere costs nothing extra.
-class GradHookHandle {
- public:
-  GradHookHandle() = default;
-  ~GradHookHandle() { remove(); }
-  GradHookHandle(GradHookHandle&& o) noexcept : id_(o.id_) { o.id_ = 0; }
-  GradHookHandle& operator=(GradHookHandle&& o) noexcept;
-  GradHookHandle(const GradHookHandle&) = delete;
-  GradHookHandle& operator=(const GradHookHandle&) = delete;
-  void remove();  // idempotent
-  bool active() const { return id_ != 0; }
-
- private:
-  friend GradHookHandle register_post_accumulate_grad_hook(const Tensor&, std::function<void(const Tensor&)>);
-  explicit GradHookHandle(std::uint64_t id) : id_(id) {}
-  std::uint64_t id_ = 0;
-};
-[[nodiscard]] GradHookHandle register_post_accumulate_grad_hook(const Tensor& leaf,
-                                                                std::function<void(const Tensor& grad)> hook);
-
-// ---- anomaly mode (PyTorch's torch.autograd.set_detect_anomaly) ----
-// When on (for this thread), every recorded op checks its outputs and every backward step the
-// gradients it wrote, and the first NaN or Inf throws tg::Error naming the op, its tape index and
-// its input and output shapes, and whether its inputs were already non-finite. Costs a pass over
-// every output and gradient: a debugging aid, off by default. Ops run under NoGradGuard are not
-// recorded and so not checked. A backward stopped this way leaves the gradients part-accumulated.
-void set_detect_anomaly(bool on);
-bool is_anomaly_enabled();
-class DetectAnomalyGuard {
- public:
-  explicit DetectAnomalyGuard(bool on = true);
-  ~DetectAnomalyGuard();
-  DetectAnomalyGuard(const DetectAnomalyGuard&) = delete;
-  DetectAnomalyGuard& operator=(const DetectAnomalyGuard&) = delete;
-
- private:
-  bool prev_;
-};
-
-// ---- op timing, for benchmarks ----
-// When on (for this thread), the tape times every recorded op: its forward as the time from the
-// previous record (or from op_timing_mark()) to its own, which covers the op's checks, its output's
-// allocation and its kernel; its backward as the time of its backward step. op_times() sums them
-// by op name, largest total first. Costs a clock read per op; off by default.
-struct OpTime {
-  std::string op;
-  double forward_s = 0, backward_s = 0;
-  std::int64_t calls = 0;
-};
-void set_op_timing(bool on);
-void op_timing_mark();  // the next op's forward starts now (call before a forward pass)
-std::vector<OpTime> op_times();
-void reset_op_times();
 
 }  // namespace tg

@@ -20,43 +20,8 @@
 
 namespace tg {
 
-// A 64-byte aligned block of memory, recycled through a caching allocator (see core/storage.cpp).
-// Up to kInlineBytes (a scalar, a loss, a few elements) live inside the Storage object itself: one
-// allocation per tensor instead of two, and no trip through the cache's lists.
-// Storage objects themselves come from a per-thread pool (Storage::make; Ref<Storage> gives them
-// back through destroy).
-struct Storage {
-  static constexpr std::size_t kInlineBytes = 64;
-  explicit Storage(std::size_t nbytes);
-  ~Storage();
-  Storage(const Storage&) = delete;
-  Storage& operator=(const Storage&) = delete;
-  static Storage* make(std::size_t nbytes);  // throws std::bad_alloc
-  static void destroy(Storage* s) noexcept;
-  void* data = nullptr;
-  std::size_t nbytes = 0;
-  std::atomic<std::uint32_t> refs{1};  // see detail::Ref
-  alignas(64) unsigned char inline_data[kInlineBytes];
-};
-
-// The caching allocator keeps freed blocks for reuse (small ones by exact size, large ones in
-// segments it splits and merges: core/block_arena.h), so a training step that allocates the same
-// activations every iteration stops page-faulting fresh memory after the first one or two.
-// cached_bytes: bytes the cache holds from the system and does not use: the small-block lists
-// (shared, and this thread's) and the segments' free space, touched or not (a segment's untouched
-// tail costs no resident memory). empty_cache returns the small blocks and the segments with
-// nothing in use to the system; a segment holding a live tensor stays, free space and all.
-std::size_t cached_bytes();
-void empty_cache();
-// Bytes of tensor memory in use (all threads; the few bytes kept inside a Storage excepted), and
-// the most in use at once since the program started or reset_peak_memory_stats() (PyTorch's
-// torch.cuda.memory_allocated, max_memory_allocated and reset_peak_memory_stats, for this CPU
-// allocator). The process's resident memory also counts the cache, the code and everything else.
-std::size_t memory_allocated();
-std::size_t max_memory_allocated();
-void reset_peak_memory_stats();
-
-struct AutogradMeta;
+struct Storage;       // tapegrad/detail/tensor_parts.h: the memory, shared by tensors
+struct AutogradMeta;  // tapegrad/detail/tensor_parts.h: the autograd slot
 
 class Tensor {
  public:
@@ -76,8 +41,8 @@ class Tensor {
   // Typed access to the contiguous data; throws tg::Error when T does not match dtype().
   template <class T> T* data();
   template <class T> const T* data() const;
-  void* raw_data() { return storage_ ? storage_->data : nullptr; }
-  const void* raw_data() const { return storage_ ? storage_->data : nullptr; }
+  void* raw_data();
+  const void* raw_data() const;
   bool shares_storage(const Tensor& o) const { return storage_ && storage_ == o.storage_; }
 
   // Element access for tests and small programs (values go through double).
@@ -145,73 +110,6 @@ class Tensor {
   std::int64_t flat_index(std::initializer_list<std::int64_t> idx, const char* op) const;
 };
 
-namespace detail {
-// A gradient held out of line by its autograd slot: a pointer to a Tensor (from a per-thread pool
-// of Tensor-sized blocks, see core/pool.h), null when there is no gradient. A recorded op's slot
-// lives until its node is freed, and most never hold a gradient outside a backward pass, so keeping
-// the 96-byte Tensor out of the slot keeps it at 128 bytes, and the memory a
-// long graph walks with it. Moving a GradSlot moves the pointer: a gradient handed from an op's
-// output to its input (Node::write_grad_over_output) copies nothing.
-class GradSlot {
- public:
-  GradSlot() = default;
-  GradSlot(const GradSlot&) = delete;
-  GradSlot& operator=(const GradSlot&) = delete;
-  GradSlot(GradSlot&& o) noexcept : p_(o.p_) { o.p_ = nullptr; }
-  GradSlot& operator=(GradSlot&& o) noexcept {
-    if (this != &o) {
-      reset();
-      p_ = o.p_;
-      o.p_ = nullptr;
-    }
-    return *this;
-  }
-  ~GradSlot() { reset(); }
-  bool defined() const { return p_ != nullptr; }
-  // The gradient, or an undefined Tensor.
-  inline const Tensor& get() const;
-  // Stores t, which must be defined (reset() empties the slot); returns the stored tensor.
-  Tensor& set(Tensor t);
-  Tensor* ptr() { return p_; }
-  void reset() {
-    if (p_) release();
-  }
-
- private:
-  void release();
-  Tensor* p_ = nullptr;  // never an undefined Tensor
-};
-extern const Tensor g_undefined_tensor;  // what GradSlot::get() returns for an empty slot
-}  // namespace detail
-
-// The autograd slot of a tensor. Tape nodes hold these (not the data) for the inputs whose gradient
-// they accumulate into, so an input's activations are freed as soon as nothing else needs them.
-struct AutogradMeta {
-  AutogradMeta(const Shape& s, DType d) : shape(s), dtype(d) {}
-  AutogradMeta(const AutogradMeta&) = delete;
-  AutogradMeta& operator=(const AutogradMeta&) = delete;
-  // A new slot with one reference, from a per-thread pool (throws std::bad_alloc); see detail::Ref.
-  static AutogradMeta* make(const Shape& s, DType d);
-  static void destroy(AutogradMeta* m) noexcept;
-  Shape shape;
-  detail::GradSlot grad;           // the gradient accumulated here (undefined until a backward reaches it)
-  std::int64_t node = -1;          // index of the creating node on the tape; -1 for a leaf
-  std::uint64_t generation = 0;    // the tape generation that node belongs to
-  std::uint64_t visit = 0;         // marks the tensors a backward pass will reach
-  std::unique_ptr<std::string> name;  // set_name's label; null for the (many) unnamed tensors
-  std::uint32_t id = 0;            // names the tensor in DOT output (0 until asked: see dot_id)
-  std::atomic<std::uint32_t> refs{1};  // the Refs to this slot (Tensors and tape nodes)
-  DType dtype = DType::f32;
-  bool requires_grad = false;
-  bool retains_grad = false;
-  // The gradient buffer to accumulate (+=) into, allocated as zeros on first use.
-  Tensor& grad_accumulator();
-  // The id, drawn from a global counter on first use (an atomic increment per recorded op
-  // otherwise, for a number only the DOT output reads); unique among the first 2^32 drawn.
-  std::uint32_t dot_id();
-  std::string label() const { return name ? *name : std::string(); }
-};
-
 // ---- factories (dtype defaults to float32, as in PyTorch) ----
 Tensor zeros(const Shape& shape, DType dtype = DType::f32);
 Tensor ones(const Shape& shape, DType dtype = DType::f32);
@@ -227,53 +125,6 @@ Tensor from_vector(const std::vector<T>& values, const Shape& shape);
 
 std::ostream& operator<<(std::ostream& os, const Tensor& t);
 
-// ---- template definitions ----
-inline const Tensor& detail::GradSlot::get() const { return p_ ? *p_ : g_undefined_tensor; }
-template <class T> T* Tensor::data() {
-  if (!storage_ || dtype_ != dtype_of<T>::value) check_dtype(dtype_of<T>::value);  // throws
-  return static_cast<T*>(storage_->data);
-}
-template <class T> const T* Tensor::data() const {
-  if (!storage_ || dtype_ != dtype_of<T>::value) check_dtype(dtype_of<T>::value);  // throws
-  return static_cast<const T*>(storage_->data);
-}
-inline bool Tensor::requires_grad() const { return meta_ && meta_->requires_grad; }
-inline detail::Ref<AutogradMeta>& Tensor::ensure_meta() {
-  if (!meta_) meta_ = detail::Ref<AutogradMeta>(AutogradMeta::make(shape_, dtype_));
-  return meta_;
-}
-namespace detail {
-// The float32 whose upper half are the bits of a bfloat16 (exact: every bfloat16 is a float32).
-inline float bf16_bits_to_float(std::uint16_t bits) {
-  const std::uint32_t u = static_cast<std::uint32_t>(bits) << 16;
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-}
-}  // namespace detail
-template <class T> std::vector<T> Tensor::to_vector() const {
-  std::vector<T> out(static_cast<std::size_t>(numel()));
-  const void* p = raw_data();
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    switch (dtype_) {
-      case DType::f32: out[i] = static_cast<T>(static_cast<const float*>(p)[i]); break;
-      case DType::f64: out[i] = static_cast<T>(static_cast<const double*>(p)[i]); break;
-      case DType::i32: out[i] = static_cast<T>(static_cast<const std::int32_t*>(p)[i]); break;
-      case DType::bf16:
-        out[i] = static_cast<T>(detail::bf16_bits_to_float(static_cast<const std::uint16_t*>(p)[i]));
-        break;
-    }
-  }
-  return out;
-}
-template <class T>
-Tensor from_vector(const std::vector<T>& values, const Shape& shape) {
-  if (static_cast<std::int64_t>(values.size()) != shape.numel())
-    fail("from_vector", values.size(), " values do not fill shape ", shape);
-  Tensor t = Tensor::empty(shape, dtype_of<T>::value);
-  T* p = t.data<T>();
-  for (std::size_t i = 0; i < values.size(); ++i) p[i] = values[i];
-  return t;
-}
-
 }  // namespace tg
+
+#include "tapegrad/detail/tensor_parts.h"

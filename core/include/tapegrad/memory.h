@@ -1,0 +1,25 @@
+#pragma once
+// Tensor memory: the caching allocator's counters and its cache (PyTorch's torch.cuda memory
+// functions, for this CPU allocator).
+#include <cstddef>
+
+namespace tg {
+
+// The caching allocator keeps freed blocks for reuse (small ones by exact size, large ones in
+// segments it splits and merges: core/block_arena.h), so a training step that allocates the same
+// activations every iteration stops page-faulting fresh memory after the first one or two.
+// cached_bytes: bytes the cache holds from the system and does not use: the small-block lists
+// (shared, and this thread's) and the segments' free space, touched or not (a segment's untouched
+// tail costs no resident memory). empty_cache returns the small blocks and the segments with
+// nothing in use to the system; a segment holding a live tensor stays, free space and all.
+std::size_t cached_bytes();
+void empty_cache();
+// Bytes of tensor memory in use (all threads; the few bytes kept inside a Storage excepted), and
+// the most in use at once since the program started or reset_peak_memory_stats() (PyTorch's
+// torch.cuda.memory_allocated, max_memory_allocated and reset_peak_memory_stats, for this CPU
+// allocator). The process's resident memory also counts the cache, the code and everything else.
+std::size_t memory_allocated();
+std::size_t max_memory_allocated();
+void reset_peak_memory_stats();
+
+}  // namespace tg
