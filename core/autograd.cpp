@@ -4,6 +4,8 @@
 // and op timing in core/anomaly.cpp.
 #include "tape_internal.h"
 
+#include <string>
+
 #include "dispatch.h"
 #include "kernels/bf16.h"
 #include "kernels/parallel.h"
@@ -102,8 +104,28 @@ namespace {
 using detail::TapeAccess;
 using MetaRef = detail::Ref<AutogradMeta>;
 
-const char* const kFreedMsg = "part of the graph of this tensor was freed by an earlier backward(); "
-                              "call backward(grad, /*keep_tape=*/true) to differentiate a graph twice";
+// Why the graph behind a tensor (its slot m) is gone, when it is: the node that made it was freed
+// by a backward, the tape was emptied since (by a backward, or by Tape::clear()), or the tensor was
+// recorded on another thread's tape. Null when the graph is still there.
+std::string why_gone(const Tape& tp, const AutogradMeta& m) {
+  const char* const fix = "; detach() it to use it as a constant in a new graph, or pass keep_tape=true to the "
+                          "backward that freed it to differentiate through it again";
+  if (m.node < 0) return {};
+  if (!TapeAccess::same_tape(tp, m.generation))
+    return "this tensor was recorded on another thread's tape; backward() walks the calling thread's tape only, so "
+           "call it on the thread that ran the forward";
+  if (m.generation != TapeAccess::generation(tp)) {
+    if (TapeAccess::cleared_by_user(tp, m.generation))
+      return std::string("the tape was cleared (Tape::clear()) after this tensor was recorded, which drops its graph") + fix;
+    return std::string("part of the graph of this tensor was freed by an earlier backward()") + fix;
+  }
+  if (m.node >= static_cast<std::int64_t>(tp.size())) return "the graph of this tensor is not on this tape";
+  const Node& n = TapeAccess::node(const_cast<Tape&>(tp), static_cast<std::size_t>(m.node));
+  if (n.freed())
+    return "part of the graph of this tensor was freed by an earlier backward() (op '" + std::string(n.name()) +
+           "', tape node " + std::to_string(m.node) + ")" + fix;
+  return {};
+}
 
 // d root / d root: the caller's gradient (checked against root), or 1 for a scalar root.
 Tensor make_seed(const Tensor& root, const Tensor& grad) {
@@ -127,11 +149,9 @@ struct Marked {
   bool seed_aliased = false;
 };
 
-// A tensor made by a node that an earlier backward freed: refuse.
+// A tensor whose graph is gone is refused: read as a constant, it would drop its path's gradient.
 void refuse_if_freed(Tape& tp, const AutogradMeta& m) {
-  if (m.node < 0 || m.generation != TapeAccess::generation(tp)) return;
-  const Node& n = TapeAccess::node(tp, static_cast<std::size_t>(m.node));
-  if (n.freed()) fail("backward", kFreedMsg, " (op '", n.name(), "', node ", m.node, ")");
+  if (const std::string why = why_gone(tp, m); !why.empty()) fail("backward", why);
 }
 
 // Marks every tensor the root depends on with `mark`, refusing freed parts. Needed only when the
@@ -233,6 +253,7 @@ void walk(Tape& tp, std::int64_t from, std::uint64_t mark, bool keep_tape, std::
     if (n.freed() || !reached(n, mark)) continue;
     for (const auto& in : n.inputs())
       if (in) in->visit = mark;
+    TapeAccess::check_saved_versions(n, static_cast<std::size_t>(i));
     detail::run_backward_timed(n);
     if (anomaly) detail::check_anomaly_backward(n, static_cast<std::size_t>(i));
     for (const auto& o : n.outputs())
@@ -248,21 +269,21 @@ void backward(const Tensor& root, const Tensor& grad, bool keep_tape) {
   const Tensor seed = make_seed(root, grad);
   AutogradMeta& rm = *root.meta();
   Tape& tp = tape();
-  if (rm.node >= 0 && (rm.generation != TapeAccess::generation(tp) || rm.node >= static_cast<std::int64_t>(tp.size())))
-    fail("backward", kFreedMsg);
+  refuse_if_freed(tp, rm);
   static thread_local std::uint64_t epoch = 0;
   const std::uint64_t mark = ++epoch;
   rm.visit = mark;
   const bool hooks_live = detail::hooks_registered() && !detail::t_hooks_off;
   Marked found;
-  if (grad.defined() || tp.live() != tp.size() || detail::retain_grad_used() || hooks_live)
+  if (grad.defined() || tp.live() != tp.size() || TapeAccess::has_stale_input(tp) || detail::retain_grad_used() ||
+      hooks_live)
     found = mark_graph(tp, root, seed, mark);
   std::vector<detail::DueHook> hooks;
   if (hooks_live) hooks = detail::due_hooks(tp, rm, mark);
   SetAside set_aside(found.retained);
   seed_root(rm, seed, found.seed_aliased);
   walk(tp, rm.node, mark, keep_tape, hooks);
-  if (tp.live() == 0) tp.clear();
+  if (tp.live() == 0) TapeAccess::empty(tp);
 }
 
 }  // namespace tg

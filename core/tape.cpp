@@ -3,6 +3,7 @@
 #include "tape_internal.h"
 
 #include <algorithm>
+#include <atomic>
 #include <iomanip>
 #include <ostream>
 #include <sstream>
@@ -166,6 +167,42 @@ std::size_t Node::bytes_saved() const {
 
 namespace detail {
 
+namespace {
+// Where a node's arrays sit in its arena block: the saved tensors first (the strictest alignment),
+// then the input and output slots, the shapes of the inputs without a slot, the saved tensors'
+// versions (see check_saved_versions), and the closure last.
+struct Layout {
+  std::size_t slots_at, shapes_at, versions_at, closure_at, bytes;
+  Layout(std::size_t n_saved, std::size_t n_slots, std::size_t n_other, std::size_t closure_bytes, std::size_t align) {
+    slots_at = n_saved * sizeof(Tensor);
+    shapes_at = slots_at + n_slots * sizeof(Node::Slot);
+    versions_at = shapes_at + n_other * sizeof(Shape);
+    closure_at = (versions_at + n_saved * sizeof(std::uint32_t) + align - 1) & ~(align - 1);  // a power of two
+    bytes = closure_at + closure_bytes;
+  }
+};
+
+// Copies the inputs' slots (or, for an input that needs no gradient, its shape) into the block;
+// returns the bits of the undefined (optional) inputs. Notes on the tape an input whose graph is
+// gone (recorded under an older generation: see TapeAccess::note_stale_input).
+std::uint64_t place_inputs(Tape& tp, const Tensor* const* inputs, std::size_t n_in, Node::Slot* in, Shape* shapes) {
+  std::uint64_t undefined = 0;
+  for (std::size_t i = 0, k = 0; i < n_in; ++i) {
+    const Tensor* t = inputs[i];
+    if (t->requires_grad()) {
+      const auto& m = t->meta();
+      if (m->node >= 0 && m->generation != TapeAccess::generation(tp)) TapeAccess::note_stale_input(tp);
+      ::new (in + i) Node::Slot(m);
+    } else {
+      ::new (in + i) Node::Slot();
+      ::new (shapes + k++) Shape(t->shape());
+      if (!t->defined() && i < 64) undefined |= std::uint64_t(1) << i;  // (an undefined tensor needs no grad)
+    }
+  }
+  return undefined;
+}
+}  // namespace
+
 // Appends the node. What can throw comes before anything is recorded: the outputs' slots, then the
 // node (push may sweep, and a sweep that empties the tape resets the arena: so before the arena
 // allocation), then the arena block, whose failure takes the still empty node back off the tape.
@@ -173,52 +210,54 @@ namespace detail {
 Node& record_node(const char* op, const Tensor* const* inputs, std::size_t n_in, Tensor* const* outputs,
                   std::size_t n_out, const Tensor* saved, std::size_t n_saved, std::size_t closure_bytes,
                   std::size_t closure_align) {
-  using Slot = Node::Slot;
-  static_assert(alignof(Slot) <= alignof(Tensor) && alignof(Shape) <= alignof(Tensor));
+  static_assert(alignof(Node::Slot) <= alignof(Tensor) && alignof(Shape) <= alignof(Tensor));
   Tape& tp = tape();
   if (n_in > UINT32_MAX || n_out > UINT32_MAX) fail(op, "too many inputs or outputs to record (", n_in, ", ", n_out, ")");
   for (std::size_t i = 0; i < n_out; ++i) outputs[i]->ensure_meta();
   Node& n = TapeAccess::push(tp);
-  // One arena block: the saved tensors first (the strictest alignment), then the input and output
-  // slots, the shapes of the inputs without a slot, and the closure last.
   std::size_t n_other = 0;
   for (std::size_t i = 0; i < n_in; ++i) n_other += inputs[i]->requires_grad() ? 0 : 1;
-  const std::size_t arrays = n_saved * sizeof(Tensor) + (n_in + n_out) * sizeof(Slot) + n_other * sizeof(Shape);
-  const std::size_t closure_at = (arrays + closure_align - 1) & ~(closure_align - 1);  // a power of two
+  const Layout at(n_saved, n_in + n_out, n_other, closure_bytes, closure_align);
   char* mem = nullptr;
   try {
-    mem = static_cast<char*>(TapeAccess::arena(tp).allocate(closure_at + closure_bytes, std::max(alignof(Tensor), closure_align)));
+    mem = static_cast<char*>(TapeAccess::arena(tp).allocate(at.bytes, std::max(alignof(Tensor), closure_align)));
   } catch (...) {
     TapeAccess::discard_last(tp);
     throw;
   }
+  auto* in = reinterpret_cast<Node::Slot*>(mem + at.slots_at);
+  const std::uint64_t undefined = place_inputs(tp, inputs, n_in, in, reinterpret_cast<Shape*>(mem + at.shapes_at));
   auto* sv = reinterpret_cast<Tensor*>(mem);
-  auto* in = reinterpret_cast<Slot*>(mem + n_saved * sizeof(Tensor));
-  auto* out = in + n_in;
-  auto* shapes = reinterpret_cast<Shape*>(reinterpret_cast<char*>(out + n_out));
-  std::uint64_t undefined = 0;
-  for (std::size_t i = 0, k = 0; i < n_in; ++i) {
-    const Tensor* t = inputs[i];
-    if (t->requires_grad()) {
-      ::new (in + i) Slot(t->meta());
-    } else {
-      ::new (in + i) Slot();
-      ::new (shapes + k++) Shape(t->shape());
-      if (!t->defined() && i < 64) undefined |= std::uint64_t(1) << i;  // (an undefined tensor needs no grad)
-    }
+  auto* versions = reinterpret_cast<std::uint32_t*>(mem + at.versions_at);
+  for (std::size_t i = 0; i < n_saved; ++i) {
+    ::new (sv + i) Tensor(saved[i]);
+    versions[i] = saved[i].version();
   }
-  for (std::size_t i = 0; i < n_saved; ++i) ::new (sv + i) Tensor(saved[i]);
   const auto index = static_cast<std::int64_t>(tp.size()) - 1;
   for (std::size_t i = 0; i < n_out; ++i) {
     const auto& m = outputs[i]->meta();
     m->requires_grad = true;
     m->node = index;
     m->generation = TapeAccess::generation(tp);
-    ::new (out + i) Slot(m);
+    ::new (in + n_in + i) Node::Slot(m);
   }
-  TapeAccess::fill(n, op, sv, n_saved, n_in, n_out, n_other, undefined, mem + closure_at);
+  TapeAccess::fill(n, op, sv, n_saved, n_in, n_out, n_other, undefined, mem + at.closure_at);
   TapeAccess::note_saved(tp, n.bytes_saved());  // free_node takes the same count back
   return n;
+}
+
+// A saved tensor written in place after the forward (Tensor::set, copy_, an optimizer's step)
+// would give a wrong gradient: refuse, as PyTorch's version counter does.
+void TapeAccess::check_saved_versions(const Node& n, std::size_t index) {
+  const auto* versions = reinterpret_cast<const std::uint32_t*>(
+      reinterpret_cast<const char*>(n.slots() + n.n_in_ + n.n_out_) + n.n_other_ * sizeof(Shape));
+  for (std::uint32_t i = 0; i < n.n_saved_; ++i) {
+    const Tensor& t = n.saved_[i];
+    if (t.defined() && t.version() != versions[i])
+      fail("backward", "saved tensor ", i, " of op '", n.op_, "' (tape node ", index, ", ", t.dtype(), " ", t.shape(),
+           ") was modified in place after the forward (version ", versions[i], ", now ", t.version(),
+           "); its gradient would be wrong. Write to a clone(), or make the change before the forward");
+  }
 }
 
 void drop_last_node_and_rethrow() {
@@ -241,24 +280,43 @@ Tape& tape_slow() {
 }
 }  // namespace detail
 
-Tape::Tape() : arena_(std::make_unique<detail::Arena>()) {}
+namespace {
+std::atomic<std::uint64_t> g_tapes{0};
+}  // namespace
+
+// A generation names one tape (its high bits: each thread's tape is another) and one stretch of it
+// between two clears (its low bits), so a slot tells which tape and which stretch recorded it.
+Tape::Tape() : arena_(std::make_unique<detail::Arena>()) {
+  generation_ = ((g_tapes.fetch_add(1, std::memory_order_relaxed) + 1) << kGenerationBits) | 1;
+}
 
 Tape::~Tape() {
-  clear();
+  detail::TapeAccess::empty(*this);
   if (detail::t_tape == this) detail::t_tape = nullptr;
 }
 
 void Tape::clear() {
-  if (live_ > 0)
-    for (Node& n : nodes_)
-      if (!n.freed()) detail::TapeAccess::release(n);
-  nodes_.clear();  // O(1): nodes are trivially destructible
-  arena_->reset();
-  live_ = 0;
-  next_sweep_ = kFirstSweep;
-  saved_live_ = 0;
-  next_sweep_bytes_ = kSweepBytes;
-  ++generation_;
+  cleared_by_user_.push_back(generation_);
+  if (cleared_by_user_.size() > 64) cleared_by_user_.erase(cleared_by_user_.begin());
+  detail::TapeAccess::empty(*this);
+}
+
+bool detail::TapeAccess::cleared_by_user(const Tape& t, std::uint64_t g) {
+  return std::find(t.cleared_by_user_.begin(), t.cleared_by_user_.end(), g) != t.cleared_by_user_.end();
+}
+
+void detail::TapeAccess::empty(Tape& t) {
+  t.stale_input_ = false;
+  if (t.live_ > 0)
+    for (Node& n : t.nodes_)
+      if (!n.freed()) release(n);
+  t.nodes_.clear();  // O(1): nodes are trivially destructible
+  t.arena_->reset();
+  t.live_ = 0;
+  t.next_sweep_ = Tape::kFirstSweep;
+  t.saved_live_ = 0;
+  t.next_sweep_bytes_ = Tape::kSweepBytes;
+  ++t.generation_;
 }
 
 namespace detail {
@@ -299,7 +357,7 @@ void TapeAccess::sweep(Tape& t) {
   // the nodes (a long graph that is still in use: sweeping it again soon would find nothing).
   // Either way the sweeps cost O(1) per recorded node, amortised. The byte trigger waits until
   // what is saved has doubled since this sweep: geometric too.
-  if (t.live_ == 0) t.clear();
+  if (t.live_ == 0) empty(t);
   else {
     t.next_sweep_ = std::max(Tape::kFirstSweep, (4 * (live_before - t.live_) < live_before ? 4 : 2) * t.nodes_.size());
     t.next_sweep_bytes_ = std::max(Tape::kSweepBytes, 2 * t.saved_live_);

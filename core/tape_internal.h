@@ -55,6 +55,17 @@ struct TapeAccess {
   static void fill(Node& n, const char* op, Tensor* saved, std::size_t n_saved, std::size_t n_in, std::size_t n_out,
                    std::size_t n_other, std::uint64_t undefined, void* closure);
   static std::uint64_t generation(const Tape& t) { return t.generation_; }
+  static bool same_tape(const Tape& t, std::uint64_t g) { return g >> Tape::kGenerationBits == t.generation_ >> Tape::kGenerationBits; }
+  static bool cleared_by_user(const Tape& t, std::uint64_t g);
+  // An input recorded under an older generation (its graph was freed and the tape emptied, or it
+  // comes from another thread's tape): backward() then marks the graph first, and refuses.
+  static void note_stale_input(Tape& t) { t.stale_input_ = true; }
+  static bool has_stale_input(const Tape& t) { return t.stale_input_; }
+  // Drops every node and starts a new generation (clear(), and a backward or sweep that left
+  // nothing live).
+  static void empty(Tape& t);
+  // Refuses node n (at tape index `index`) when a tensor it saved was written in place since.
+  static void check_saved_versions(const Node& n, std::size_t index);
   static Arena& arena(Tape& t) { return *t.arena_; }
   // A new node at the end of the tape; sweeps first when a trigger is reached.
   static Node& push(Tape& t);

@@ -61,6 +61,21 @@ void Tensor::set(std::initializer_list<std::int64_t> idx, double v) {
     using T = decltype(t);
     static_cast<T*>(storage_->data)[i] = detail::from_double<T>(v);
   });
+  bump_version();
+}
+
+Tensor& Tensor::copy_(const Tensor& src) {
+  detail::check_defined("copy_", *this, "destination");
+  detail::check_defined("copy_", src, "source");
+  if (!(src.shape() == shape_)) fail("copy_", "source shape ", src.shape(), " differs from destination ", shape_);
+  if (src.dtype() == dtype_) {
+    if (nbytes()) std::memmove(raw_data(), src.raw_data(), nbytes());
+  } else {
+    const Tensor c = src.detach().to(dtype_);
+    if (nbytes()) std::memcpy(raw_data(), c.raw_data(), nbytes());
+  }
+  bump_version();
+  return *this;
 }
 
 // ---- autograd slot ----

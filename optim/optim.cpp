@@ -102,7 +102,10 @@ void Optimizer::for_each_param_with_grad(F&& f) {
   std::size_t i = 0;
   for (auto& g : groups_)
     for (auto& p : g.params) {
-      if (p.grad().defined()) f(g, i, p);
+      if (p.grad().defined()) {
+        f(g, i, p);
+        p.bump_version();  // an in-place write: a graph that saved p refuses its backward
+      }
       ++i;
     }
 }

@@ -54,7 +54,10 @@ class Tape {
   friend struct detail::TapeAccess;
   std::unique_ptr<detail::Arena> arena_;  // declared before nodes_: destroyed after them
   std::vector<Node> nodes_;
-  std::uint64_t generation_ = 1;          // bumped by clear(): slots of older generations are stale
+  static constexpr int kGenerationBits = 40;
+  std::uint64_t generation_ = 1;          // this tape's id and a count of its clears (core/tape.cpp)
+  std::vector<std::uint64_t> cleared_by_user_;  // the last generations that clear() ended
+  bool stale_input_ = false;              // a node recorded an input whose graph is gone
   std::size_t live_ = 0;
   std::size_t next_sweep_ = kFirstSweep;
   std::size_t saved_live_ = 0;            // bytes of the tensors the live nodes saved

@@ -48,7 +48,10 @@ class Tensor {
   // Element access for tests and small programs (values go through double).
   double item() const;                                        // the one element of a 1-element tensor
   double at(std::initializer_list<std::int64_t> idx) const;   // negative indices count from the end
-  void set(std::initializer_list<std::int64_t> idx, double v);
+  void set(std::initializer_list<std::int64_t> idx, double v);  // an in-place write: see version()
+  // Copies src's values into this tensor in place (same shape; any dtypes, converted). An in-place
+  // write, as set() is: a recorded op that saved this tensor then refuses its backward.
+  Tensor& copy_(const Tensor& src);
   template <class T> std::vector<T> to_vector() const;        // copies, converting to T
 
   // ---- autograd ----
@@ -90,6 +93,10 @@ class Tensor {
     shape_ = Shape();
     dtype_ = DType::f32;
   }
+  // Internal: the count of in-place writes to this memory (set, copy_, an optimizer's step), and
+  // the bump that each such write makes.
+  std::uint32_t version() const;
+  void bump_version();
   // Internal: no other tensor shares this one's memory.
   bool sole_owner() const { return storage_.unique(); }
   // Internal: the number of tensors that share this one's memory, itself included.

@@ -29,6 +29,10 @@ struct Storage {
   void* data = nullptr;
   std::size_t nbytes = 0;
   std::atomic<std::uint32_t> refs{1};  // see detail::Ref
+  // Bumped by every in-place write through the public API (Tensor::set, copy_, an optimizer's
+  // step): a node that saved this memory refuses to run its backward when it changed (PyTorch's
+  // version counter, shared by the tensors that share the memory).
+  std::uint32_t version = 0;
   alignas(64) unsigned char inline_data[kInlineBytes];
 };
 
@@ -148,6 +152,10 @@ Tensor from_vector(const std::vector<T>& values, const Shape& shape) {
   return t;
 }
 
+inline std::uint32_t Tensor::version() const { return storage_ ? storage_->version : 0; }
+inline void Tensor::bump_version() {
+  if (storage_) ++storage_->version;
+}
 inline void* Tensor::raw_data() { return storage_ ? storage_->data : nullptr; }
 inline const void* Tensor::raw_data() const { return storage_ ? storage_->data : nullptr; }
 
