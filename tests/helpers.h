@@ -7,6 +7,14 @@
 #include <vector>
 #include <string>
 #include <tapegrad/tapegrad.h>
+// The tests use every feature, so they include every header.
+#include <tapegrad/anomaly.h>
+#include <tapegrad/autocast.h>
+#include <tapegrad/checkpoint.h>
+#include <tapegrad/hooks.h>
+#include <tapegrad/memory.h>
+#include <tapegrad/nn.h>
+#include <tapegrad/optim.h>
 
 namespace tgtest {
 

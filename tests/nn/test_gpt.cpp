@@ -291,7 +291,7 @@ TEST_CASE("gradient checkpointing leaves a GPT's loss and gradients the same bit
             }
             std::size_t checkpoints = 0;
             for (std::size_t i = 0; i < tape().size(); ++i)
-              checkpoints += tape()[i].op == std::string("checkpoint") && !tape()[i].freed;
+              checkpoints += tape()[i].name() == std::string("checkpoint") && !tape()[i].freed();
             loss.backward();
             return std::tuple{loss.detach(), checkpoints, default_generator().offset()};
           };
