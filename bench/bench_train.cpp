@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "lm/trainer.h"
+#include "tapegrad/anomaly.h"
 
 // Tokens per second of GPT::generate with and without its KV cache: n tokens after a one-token
 // prompt, from the run's initial weights (the speed does not depend on their values).
@@ -34,23 +35,28 @@ std::pair<double, double> sampling_speed(lm::TrainConfig c, const lm::Corpus& co
   return {rate(true), rate(false)};
 }
 
-int main(int argc, char** argv) {
-  lm::Job job(&argc, &argv, "bench_train");  // MPI under mpirun; then rank 0 alone prints
+namespace {
+
+// The command line: train_lm's model and training flags, and what to time.
+struct Options {
   lm::TrainConfig c;
   std::string norm = "rmsnorm", arch = "gpt";
   std::int64_t sample_tokens = 0;
   int threads = 0;
-  c.data = "data/tinyshakespeare.txt";
-  c.eval_interval = 1 << 30;  // evaluate once, at the end (as the reference)
-  CLI::App app{"Time the train_lm training step; prints one JSON line comparable with torch_gpt.py."};
+  double bucket_kb = 1024;
+  bool profile = false;
+};
+
+void add_options(CLI::App& app, Options& o) {
+  lm::TrainConfig& c = o.c;
   app.add_option("--data", c.data, "UTF-8 text corpus")->capture_default_str();
-  app.add_option("--norm", norm, "layernorm|rmsnorm|prmsnorm|batchnorm|none")
+  app.add_option("--norm", o.norm, "layernorm|rmsnorm|prmsnorm|batchnorm|none")
       ->check(CLI::IsMember({"layernorm", "rmsnorm", "prmsnorm", "batchnorm", "none"}))->capture_default_str();
-  app.add_option("--arch", arch, "gpt|llama")->check(CLI::IsMember({"gpt", "llama"}))->capture_default_str();
-  app.add_option("--sample-tokens", sample_tokens, "also time generating this many tokens, with and without the KV cache")
+  app.add_option("--arch", o.arch, "gpt|llama")->check(CLI::IsMember({"gpt", "llama"}))->capture_default_str();
+  app.add_option("--sample-tokens", o.sample_tokens, "also time generating this many tokens, with and without the KV cache")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--steps", c.steps, "training iterations")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--threads", threads, "threads (default: all cores)")->check(CLI::Range(1, 1024));
+  app.add_option("--threads", o.threads, "threads (default: all cores)")->check(CLI::Range(1, 1024));
   app.add_option("--n-layer", c.model.n_layer)->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--n-head", c.model.n_head)->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--n-embd", c.model.n_embd)->check(CLI::PositiveNumber)->capture_default_str();
@@ -58,15 +64,91 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", c.batch_size)->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--eval-iters", c.eval_iters, "batches per split for the final loss estimate (0: skip)")->capture_default_str();
   app.add_option("--seed", c.seed)->capture_default_str();
-  double bucket_kb = 1024;
-  app.add_option("--bucket-kb", bucket_kb, "under mpirun: gradient bucket size in KiB (tg::dist::DDPOptions)")
+  app.add_option("--bucket-kb", o.bucket_kb, "under mpirun: gradient bucket size in KiB (tg::dist::DDPOptions)")
       ->check(CLI::PositiveNumber)->capture_default_str();
-  bool profile = false;
-  app.add_flag("--profile", profile, "time every op (tg::set_op_timing) and add ms per step by op to the JSON (\"ops\")");
+  app.add_flag("--profile", o.profile, "time every op (tg::set_op_timing) and add ms per step by op to the JSON (\"ops\")");
   app.add_option("--precision", c.precision, "float32|bf16 (tg::AutocastGuard around forward and loss)")
       ->check(CLI::IsMember({"float32", "bf16"}))->capture_default_str();
   app.add_flag("--gradient-checkpointing", c.gradient_checkpointing,
                "recompute each block in the backward (nn::GPT::set_gradient_checkpointing)");
+}
+
+// Numbers rounded as the reference rounds them (3, 1 and 4 decimals), written as text so that no
+// binary-to-decimal noise (1543.9850000000001) appears.
+nlohmann::json num(double v, int decimals) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
+  return nlohmann::json::parse(buf);
+}
+
+// The JSON keys that torch_gpt.py prints, then tapegrad's own.
+nlohmann::ordered_json result_json(const Options& o, const lm::RunResult& r) {
+  const lm::TrainConfig& c = o.c;
+  nlohmann::ordered_json j;
+  j["framework"] = "tapegrad-0.1.0";
+  j["norm"] = o.norm;
+  j["threads"] = tg::get_num_threads();
+  j["steps"] = c.steps;
+  j["ms_per_step_median"] = num(r.ms_per_step_median, 3);
+  j["tokens_per_s"] = num(r.tokens_per_s, 1);
+  if (c.eval_iters > 0) {
+    j["train_loss"] = num(r.final_train, 4);
+    j["val_loss"] = num(r.final_val, 4);
+  }
+  j["peak_rss_mb"] = num(lm::peak_rss_mb(), 1);
+  j["peak_tensor_mb"] = num(r.peak_tensor_mb, 1);  // of it, tensors at their peak (no counterpart in the reference)
+  j["arch"] = o.arch;
+  j["autocast"] = c.precision == "bf16" ? "bf16" : "none";
+  j["gradient_checkpointing"] = c.gradient_checkpointing;
+  j["params"] = r.parameters;
+  j["world_size"] = r.world_size;  // tokens_per_s counts the global batch, as the reference's
+  if (r.world_size > 1) {
+    j["comm_buckets"] = r.comm.buckets;
+    j["comm_mb"] = num(r.comm.bytes / 1e6, 3);
+    j["comm_ms"] = num(r.comm.comm_ms, 3);
+    j["comm_overlapped_ms"] = num(r.comm.overlapped_ms, 3);
+    j["comm_exposed_ms"] = num(r.comm.exposed_ms, 3);
+    j["allreduce_ms"] = num(lm::time_all_reduce(r.parameters, 20), 3);  // every rank takes part
+  }
+  return j;
+}
+
+int run(Options& o) {
+  lm::TrainConfig& c = o.c;
+  if (o.threads > 0) tg::set_num_threads(o.threads);
+  lm::set_bucket_cap_bytes(static_cast<std::size_t>(o.bucket_kb * 1024));
+  c.model.norm = tg::nn::parse_norm_kind(o.norm);
+  c.model.arch = tg::nn::parse_arch(o.arch);
+  c.progress = false;
+  lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
+  tg::set_op_timing(o.profile);
+  lm::RunResult r = lm::train(c, corpus);
+  tg::set_op_timing(false);
+  nlohmann::ordered_json j = result_json(o, r);
+  if (o.sample_tokens > 0) {
+    const auto [cached, uncached] = sampling_speed(c, corpus, o.sample_tokens);
+    j["sample_tokens_per_s"] = num(cached, 1);
+    j["sample_uncached_tokens_per_s"] = num(uncached, 1);
+  }
+  if (o.profile) {  // per op: forward and backward ms per step, averaged over the run's steps
+    nlohmann::ordered_json ops;
+    const double per = 1e3 / static_cast<double>(c.steps);
+    for (const tg::OpTime& t : tg::op_times()) ops[t.op] = {num(t.forward_s * per, 3), num(t.backward_s * per, 3)};
+    j["ops"] = ops;
+  }
+  std::cout << j.dump() << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  lm::Job job(&argc, &argv, "bench_train");  // MPI under mpirun; then rank 0 alone prints
+  Options o;
+  o.c.data = "data/tinyshakespeare.txt";
+  o.c.eval_interval = 1 << 30;  // evaluate once, at the end (as the reference)
+  CLI::App app{"Time the train_lm training step; prints one JSON line comparable with torch_gpt.py."};
+  add_options(app, o);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -76,61 +158,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    if (threads > 0) tg::set_num_threads(threads);
-    lm::set_bucket_cap_bytes(static_cast<std::size_t>(bucket_kb * 1024));
-    c.model.norm = tg::nn::parse_norm_kind(norm);
-    c.model.arch = tg::nn::parse_arch(arch);
-    c.progress = false;
-    lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
-    tg::set_op_timing(profile);
-    lm::RunResult r = lm::train(c, corpus);
-    tg::set_op_timing(false);
-    // Numbers rounded as the reference rounds them (3, 1 and 4 decimals), written as text so
-    // that no binary-to-decimal noise (1543.9850000000001) appears.
-    auto num = [](double v, int decimals) {
-      char buf[64];
-      std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
-      return nlohmann::json::parse(buf);
-    };
-    nlohmann::ordered_json j;
-    j["framework"] = "tapegrad-0.1.0";
-    j["norm"] = norm;
-    j["threads"] = tg::get_num_threads();
-    j["steps"] = c.steps;
-    j["ms_per_step_median"] = num(r.ms_per_step_median, 3);
-    j["tokens_per_s"] = num(r.tokens_per_s, 1);
-    if (c.eval_iters > 0) {
-      j["train_loss"] = num(r.final_train, 4);
-      j["val_loss"] = num(r.final_val, 4);
-    }
-    j["peak_rss_mb"] = num(lm::peak_rss_mb(), 1);
-    j["peak_tensor_mb"] = num(r.peak_tensor_mb, 1);  // of it, tensors at their peak (no counterpart in the reference)
-    j["arch"] = arch;
-    j["autocast"] = c.precision == "bf16" ? "bf16" : "none";
-    j["gradient_checkpointing"] = c.gradient_checkpointing;
-    j["params"] = r.parameters;
-    j["world_size"] = r.world_size;  // tokens_per_s counts the global batch, as the reference's
-    if (r.world_size > 1) {
-      j["comm_buckets"] = r.comm.buckets;
-      j["comm_mb"] = num(r.comm.bytes / 1e6, 3);
-      j["comm_ms"] = num(r.comm.comm_ms, 3);
-      j["comm_overlapped_ms"] = num(r.comm.overlapped_ms, 3);
-      j["comm_exposed_ms"] = num(r.comm.exposed_ms, 3);
-      j["allreduce_ms"] = num(lm::time_all_reduce(r.parameters, 20), 3);  // every rank takes part
-    }
-    if (sample_tokens > 0) {
-      const auto [cached, uncached] = sampling_speed(c, corpus, sample_tokens);
-      j["sample_tokens_per_s"] = num(cached, 1);
-      j["sample_uncached_tokens_per_s"] = num(uncached, 1);
-    }
-    if (profile) {  // per op: forward and backward ms per step, averaged over the run's steps
-      nlohmann::ordered_json ops;
-      const double per = 1e3 / static_cast<double>(c.steps);
-      for (const tg::OpTime& t : tg::op_times()) ops[t.op] = {num(t.forward_s * per, 3), num(t.backward_s * per, 3)};
-      j["ops"] = ops;
-    }
-    std::cout << j.dump() << std::endl;
-    return 0;
+    return run(o);
   } catch (const std::exception& e) {
     return job.fail(e, 2);  // under mpirun, an error of one rank alone ends the job
   }

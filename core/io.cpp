@@ -304,6 +304,40 @@ nlohmann::json parse_json(const char* p, std::size_t n, const std::string& ctx) 
   }
 }
 
+std::vector<std::uint64_t> dims_of(const Shape& s) {
+  std::vector<std::uint64_t> d;
+  for (int i = 0; i < s.ndim(); ++i) d.push_back(static_cast<std::uint64_t>(s[i]));
+  return d;
+}
+
+// An entry's shape into e.shape; returns its byte size at e.dtype, refusing overflow: every partial
+// element count must also fit int64 (tg::Shape's element type).
+std::uint64_t parse_shape(const std::string& name, const nlohmann::json& sh, Entry& e, const std::string& ctx) {
+  if (!sh.is_array()) fail_ctx(ctx, "tensor '", name, "': shape is ", json_type(sh), ", not an array");
+  if (sh.size() > static_cast<std::size_t>(Shape::kMaxDims))
+    fail_ctx(ctx, "tensor '", name, "': shape has ", sh.size(), " dims, at most ", Shape::kMaxDims, " are supported");
+  std::vector<std::uint64_t> dims;
+  for (const auto& d : sh) {
+    std::uint64_t x = 0;
+    if (!as_u64(d, &x))
+      fail_ctx(ctx, "tensor '", name, "': shape entries must be non-negative integers, got ", json_type(d), " in ",
+               brief(sh));
+    dims.push_back(x);
+  }
+  constexpr std::uint64_t kI64Max = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+  std::uint64_t numel = 1;
+  for (std::uint64_t d : dims) {
+    if (d != 0 && numel > kI64Max / d)
+      fail_ctx(ctx, "tensor '", name, "': shape ", shape_text(dims), " has too many elements (overflow)");
+    numel *= d;
+  }
+  const std::uint64_t item = itemsize(e.dtype);
+  if (numel > std::numeric_limits<std::uint64_t>::max() / item)
+    fail_ctx(ctx, "tensor '", name, "': byte size of shape ", shape_text(dims), " overflows");
+  for (std::uint64_t d : dims) e.shape.push_back(static_cast<std::int64_t>(d));
+  return numel * item;
+}
+
 Entry parse_entry(const std::string& name, const nlohmann::json& v, std::uint64_t data_size, const std::string& ctx) {
   if (!v.is_object()) fail_ctx(ctx, "tensor '", name, "': entry is ", json_type(v), ", not an object");
   for (const auto& [k, unused] : v.items()) {
@@ -325,33 +359,7 @@ Entry parse_entry(const std::string& name, const nlohmann::json& v, std::uint64_
     fail_ctx(ctx, "tensor '", name, "': unknown dtype '", ds, "'");
   }
 
-  const nlohmann::json& sh = v["shape"];
-  if (!sh.is_array()) fail_ctx(ctx, "tensor '", name, "': shape is ", json_type(sh), ", not an array");
-  if (sh.size() > static_cast<std::size_t>(Shape::kMaxDims))
-    fail_ctx(ctx, "tensor '", name, "': shape has ", sh.size(), " dims, at most ", Shape::kMaxDims, " are supported");
-  std::vector<std::uint64_t> dims;
-  for (const auto& d : sh) {
-    std::uint64_t x = 0;
-    if (!as_u64(d, &x))
-      fail_ctx(ctx, "tensor '", name, "': shape entries must be non-negative integers, got ", json_type(d), " in ",
-               brief(sh));
-    dims.push_back(x);
-  }
-  // Element and byte count with overflow checks; every partial product must also fit int64
-  // (tg::Shape's element type).
-  constexpr std::uint64_t kI64Max = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
-  std::uint64_t numel = 1;
-  for (std::uint64_t d : dims) {
-    if (d != 0 && numel > kI64Max / d)
-      fail_ctx(ctx, "tensor '", name, "': shape ", shape_text(dims), " has too many elements (overflow)");
-    numel *= d;
-  }
-  const std::uint64_t item = itemsize(e.dtype);
-  if (numel > std::numeric_limits<std::uint64_t>::max() / item)
-    fail_ctx(ctx, "tensor '", name, "': byte size of shape ", shape_text(dims), " overflows");
-  const std::uint64_t nbytes = numel * item;
-  for (std::uint64_t d : dims) e.shape.push_back(static_cast<std::int64_t>(d));
-
+  const std::uint64_t nbytes = parse_shape(name, v["shape"], e, ctx);
   const nlohmann::json& off = v["data_offsets"];
   if (!off.is_array() || off.size() != 2 || !as_u64(off[0], &e.begin) || !as_u64(off[1], &e.end))
     fail_ctx(ctx, "tensor '", name, "': data_offsets must be two non-negative integers, got ", brief(off));
@@ -359,7 +367,7 @@ Entry parse_entry(const std::string& name, const nlohmann::json& v, std::uint64_
     fail_ctx(ctx, "tensor '", name, "': data_offsets [", e.begin, ", ", e.end, "] end before they begin");
   if (e.end - e.begin != nbytes)
     fail_ctx(ctx, "tensor '", name, "': data_offsets [", e.begin, ", ", e.end, "] span ", e.end - e.begin,
-             " bytes but dtype ", ds, " and shape ", shape_text(dims), " need ", nbytes);
+             " bytes but dtype ", ds, " and shape ", shape_text(dims_of(e.shape)), " need ", nbytes);
   if (e.end > data_size)
     fail_ctx(ctx, "tensor '", name, "': data_offsets [", e.begin, ", ", e.end, "] lie outside the data block of ",
              data_size, " bytes");

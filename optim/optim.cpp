@@ -121,6 +121,31 @@ StateDict Optimizer::state_dict() const {
   return sd;
 }
 
+namespace {
+
+// Why state entry `key` (parameter n's state `rest`, tensor t) does not fit parameter p, or "" when
+// it does: a key the optimizer never creates (when its keys are known), a scalar where a buffer
+// belongs, a buffer of another shape or dtype.
+std::string state_entry_error(const std::string& key, const std::string& rest, const Tensor& t, const Tensor& p,
+                              std::size_t n, const std::vector<StateKey>* keys, const std::string& name) {
+  bool scalar = t.dim() == 0 && t.dtype() == DType::f64;
+  const bool buffer = t.shape() == p.shape() && t.dtype() == p.dtype();
+  if (keys) {
+    const StateKey* k = nullptr;
+    for (const auto& c : *keys)
+      if (rest == c.key) k = &c;
+    if (!k) return key + ": unexpected key (" + name + " keeps no such state)";
+    if (k->scalar && !scalar) return key + ": expected a float64 scalar";
+    if (!k->scalar) scalar = false;
+  }
+  if (scalar || buffer) return "";
+  std::ostringstream s;
+  s << key << ": " << t.dtype() << ' ' << t.shape() << " does not fit parameter " << n << ' ' << p.dtype() << ' ' << p.shape();
+  return s.str();
+}
+
+}  // namespace
+
 void Optimizer::load_state_dict(const StateDict& sd) {
   // Parameter i's shape and dtype, for checking.
   std::vector<const Tensor*> params;
@@ -148,21 +173,9 @@ void Optimizer::load_state_dict(const StateDict& sd) {
       if (t.numel() != 1 || t.dtype() != DType::f64) { errors.push_back(key + ": expected a float64 scalar"); continue; }
       (rest == "lr" ? lrs : wds)[n] = t.item();
     } else if (kind == "state" && num_ok && n < state_.size() && !rest.empty()) {
-      const Tensor& p = *params[n];
-      bool scalar = t.dim() == 0 && t.dtype() == DType::f64;
-      bool buffer = t.shape() == p.shape() && t.dtype() == p.dtype();
-      if (known) {
-        const StateKey* k = nullptr;
-        for (const auto& c : keys)
-          if (rest == c.key) k = &c;
-        if (!k) { errors.push_back(key + ": unexpected key (" + name_ + " keeps no such state)"); continue; }
-        if (k->scalar && !scalar) { errors.push_back(key + ": expected a float64 scalar"); continue; }
-        if (!k->scalar) scalar = false;
-      }
-      if (!scalar && !buffer) {
-        std::ostringstream s;
-        s << key << ": " << t.dtype() << ' ' << t.shape() << " does not fit parameter " << n << ' ' << p.dtype() << ' ' << p.shape();
-        errors.push_back(s.str());
+      const std::string why = state_entry_error(key, rest, t, *params[n], n, known ? &keys : nullptr, name_);
+      if (!why.empty()) {
+        errors.push_back(why);
         continue;
       }
       next[n].emplace_back(rest, t.clone());
