@@ -11,25 +11,25 @@
 //                      thread and the backward recomputes them the same way (same bits), instead
 //                      of B H T^2 kept from the forward to the backward
 //   dy   (B, T, C)     gradient of y
-//   dqkv (B, T, 3C)    gradient of qkv, laid out as qkv
+//   dqkv (B, T, 3C)    gradient of qkv, laid out as qkv, written (=)
 //   scale              the logits' factor, 1 / sqrt(hs) in a transformer
 // The products read the head blocks in place through the leading dimension 3C and write y
 // through leading dimension C, so the split, permute and merge of the composite version cost
 // nothing. Per (batch, head):
 //   S = q k^T * scale (T, T);  P = causal softmax(S);  y = P v.
 // Backward, with dY the head's block of dy:
-//   dP = dY v^T;  dv += P^T dY;  dS = scale * P * (dP - rowsum(dP * P));  dq += dS k;  dk += dS^T q.
+//   dP = dY v^T;  dv = P^T dY;  dS = scale * P * (dP - rowsum(dP * P));  dq = dS k;  dk = dS^T q.
 // (batch, head) pairs write disjoint blocks, so they run in parallel; each gemm then runs on one
 // thread, which suits these small products. P and dS are zero above the diagonal and the softmax
 // reads only S's and dP's lower triangle, so every product skips the tiles a triangle makes zero
 // or unneeded (gemm_tri, kernels/gemm.h): about 40% of the multiply-adds at T = 64.
-// The causal softmax pair itself lives in kernels/norms.h.
+// The causal softmax pair itself lives in kernels/softmax.h.
 #include <cstdint>
 #include <vector>
 
 #include "kernels/gemm.h"
-#include "kernels/norms.h"
 #include "kernels/parallel.h"
+#include "kernels/softmax.h"
 
 namespace tg::kernels {
 
@@ -63,15 +63,14 @@ void attention_forward(const T* qkv, T* y, T* P, std::int64_t B, std::int64_t Tn
   });
 }
 
-// qkv (B, T, 3C), P (B, H, T, T) (or null: recomputed), dy (B, T, C) -> dqkv (B, T, 3C); += when
-// acc, = otherwise
+// qkv (B, T, 3C), P (B, H, T, T) (or null: recomputed), dy (B, T, C) -> dqkv (B, T, 3C)
 template <class T>
 void attention_backward(const T* qkv, const T* P, const T* dy, T* dqkv, std::int64_t B, std::int64_t Tn,
-                        std::int64_t C, std::int64_t H, double scale, bool acc) {
+                        std::int64_t C, std::int64_t H, double scale) {
   const std::int64_t hs = C / H, ld = 3 * C;
-  // Every element of dqkv belongs to exactly one (b, h) and one of q, k, v. A fresh buffer is
-  // zeroed in one pass first (as y in the forward), so every product adds (beta = 1).
-  if (!acc) fill_zero(dqkv, B * Tn * 3 * C);
+  // Every element of dqkv belongs to exactly one (b, h) and one of q, k, v. It is zeroed in one
+  // pass first (as y in the forward), and every product adds into its block (beta = 1).
+  fill_zero(dqkv, B * Tn * 3 * C);
   parallel_for(B * H, B * H * Tn * Tn * hs, [&](std::int64_t lo, std::int64_t hi) {
     std::vector<T> dS(static_cast<std::size_t>(Tn * Tn)), scratch(P ? 0 : static_cast<std::size_t>(Tn * Tn));
     for (std::int64_t bh = lo; bh < hi; ++bh) {
@@ -90,7 +89,7 @@ void attention_backward(const T* qkv, const T* P, const T* dy, T* dqkv, std::int
       gemm_tri<T>(Tri::upper_a, true, false, Tn, hs, Tn, T(1), p, Tn, g, C, T(1), dv, ld);  // dv += P^T dY
       // dS = scale * P * (dP - rowsum(dP * P)), in place over dP, 0 where masked: the scaled
       // causal softmax's backward (serial here, inside the parallel loop over heads)
-      causal_softmax_backward(p, ds, ds, Tn, Tn, scale, false);
+      causal_softmax_backward(p, ds, ds, Tn, Tn, scale);
       gemm_tri<T>(Tri::lower_a, false, false, Tn, hs, Tn, T(1), ds, Tn, k, ld, T(1), dq, ld);  // dq += dS k
       gemm_tri<T>(Tri::upper_a, true, false, Tn, hs, Tn, T(1), ds, Tn, q, ld, T(1), dk, ld);  // dk += dS^T q
     }

@@ -1,9 +1,8 @@
 #pragma once
-// RMSNorm's float32 rows with AVX2 and FMA: the fast path of rms_norm_forward / rms_norm_backward
-// (norms.h) when the binary is built for such a CPU (-march=native on x86-64) and the row length
-// C and the statistic's length k are multiples of 8. norms.h keeps the portable loops beside it:
-// what every other build and shape runs, and, in float64, the reference the tests compare this
-// path's float32 results with.
+// RMSNorm's float32 rows with AVX2 and FMA: the row helpers of the fast path of rms_norm_forward /
+// rms_norm_backward (kernels/norms_fast.h, which runs them when the binary is built for such a
+// CPU, -march=native on x86-64, and the row length C and the statistic's length k are multiples
+// of 8). kernels/norms.h has the reference loops, which the tests compare this path with.
 //
 // Why intrinsics. The portable backward makes three passes over each row (the row sum in double,
 // the gain-gradient sum, dx) and converts every product to double for the row sum; the forward
@@ -15,7 +14,8 @@
 // Accuracy: the products and the sums inside a chunk of 32 elements are float (each lane adds
 // four products, two accumulators of two), the chunks' sums are added in double. That is at most
 // about four float roundings per term before the double sum takes over, as the 16-row blocks of
-// the parameter sums (norms.h); the portable path rounds each product once, then sums in double.
+// the parameter sums (norms_fast.h); the portable path rounds each product once, then sums in
+// double.
 //
 // Non-temporal stores: outputs of kStreamBytes and more are written with _mm256_stream_ps, which
 // sends full cache lines to memory without first reading them in (a plain store of a line that is
@@ -74,6 +74,8 @@ inline void store(float* d, __m256 v) {
   if constexpr (Stream) _mm256_stream_ps(d, v);
   else _mm256_storeu_ps(d, v);
 }
+// Streamed stores are weakly ordered: a fence makes them visible before another thread reads them.
+inline void fence() { _mm_sfence(); }
 
 // Forward row: returns sum_{j < k} a_j^2 (k % 8 == 0), nothing written.
 inline double sum_squares(const float* xr, std::int64_t k) {
@@ -105,17 +107,15 @@ inline double backward_sums(const float* xr, const float* gr, const float* gg, f
     return _mm256_mul_ps(p, _mm256_loadu_ps(gg + j));
   });
 }
-// Backward row, the row still in L1: dx_j = g_j dy_j rt - [j < k] a_j c2, stored (=, or += when Acc).
-template <bool Acc, bool Stream>
+// Backward row, the row still in L1: dx_j = g_j dy_j rt - [j < k] a_j c2, written.
+template <bool Stream>
 inline void backward_dx(const float* xr, const float* gr, const float* gg, float rt, float c2, std::int64_t C,
                         std::int64_t k, float* dr) {
-  static_assert(!(Acc && Stream), "an accumulated gradient is read, so it is not streamed");
   const __m256 r8 = _mm256_set1_ps(rt), c8 = _mm256_set1_ps(c2);
   for (std::int64_t j = 0; j < C; j += 8) {
     __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(gr + j), _mm256_loadu_ps(gg + j)), r8);
     if (j < k) v = _mm256_fnmadd_ps(_mm256_loadu_ps(xr + j), c8, v);
-    if constexpr (Acc) _mm256_storeu_ps(dr + j, _mm256_add_ps(_mm256_loadu_ps(dr + j), v));
-    else store<Stream>(dr + j, v);
+    store<Stream>(dr + j, v);
   }
 }
 

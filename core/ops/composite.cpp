@@ -1,10 +1,12 @@
-// Composite twins of the fused norms, written with primitive ops only: their gradients come from
-// the tape, independently of the hand-derived kernels. Slower and hungrier (every intermediate is
-// a tensor kept for backward); they exist to check the fused ops and to read next to them.
+// Composite twins of the fused norms and attention ops, written with primitive ops only: their
+// gradients come from the tape, independently of the hand-derived kernels. Slower and hungrier
+// (every intermediate is a tensor kept for backward); they exist to check the fused ops and to
+// read next to them.
 #include <cmath>
 #include <limits>
 
 #include "dispatch.h"
+#include "ops/attention.h"
 #include "tapegrad/ops.h"
 
 namespace tg::composite {
@@ -57,6 +59,16 @@ Tensor weight_norm(const Tensor& v, const Tensor& g) {
 
 Tensor scaled_causal_softmax(const Tensor& x, double scale) {
   return softmax(masked_fill(x * scale, causal_mask(x.size(-1)), -std::numeric_limits<double>::infinity()));
+}
+
+// split, permute, two batched matmuls and the masked softmax: the textbook version
+Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
+  detail::check_attention("composite::causal_attention", qkv, H);
+  const std::int64_t B = qkv.size(0), Tn = qkv.size(1), C = qkv.size(2) / 3, hs = C / H;
+  std::vector<Tensor> parts = split(permute(qkv.reshape({B, Tn, 3, H, hs}), {2, 0, 3, 1, 4}), 1, 0);
+  Tensor q = parts[0].reshape({B, H, Tn, hs}), k = parts[1].reshape({B, H, Tn, hs}), v = parts[2].reshape({B, H, Tn, hs});
+  Tensor att = tg::scaled_causal_softmax(matmul(q, k, false, true), detail::attention_scale(hs));
+  return permute(matmul(att, v), {0, 2, 1, 3}).reshape({B, Tn, C});
 }
 
 }  // namespace tg::composite
