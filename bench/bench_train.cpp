@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "lm/trainer.h"
+#include "mfu.h"
 #include "tapegrad/anomaly.h"
 
 // Tokens per second of GPT::generate with and without its KV cache: n tokens after a one-token
@@ -81,6 +82,21 @@ nlohmann::json num(double v, int decimals) {
   return nlohmann::json::parse(buf);
 }
 
+// Model FLOPs utilisation: the step's model FLOPs over its time, as a fraction of this machine's
+// measured peak for the precision (probed after the run, on the same threads), and the CPU.
+void add_mfu(nlohmann::ordered_json& j, const Options& o, const lm::RunResult& r) {
+  const lm::TrainConfig& c = o.c;
+  const std::int64_t tokens = c.batch_size * c.model.block_size * r.world_size;
+  const double flops = bench::step_flops(r.parameters, c.model.n_layer, c.model.block_size, c.model.n_embd, tokens);
+  const bench::Peak peak = bench::measure_peak(c.precision == "bf16");
+  j["model_gflop_per_step"] = num(flops / 1e9, 3);
+  j["peak_gflops"] = num(peak.flops * r.world_size / 1e9, 1);  // every rank's team
+  j["peak_kind"] = peak.kind;
+  j["mfu"] = num(peak.flops > 0 ? flops / (r.ms_per_step_median / 1e3) / (peak.flops * r.world_size) : 0, 3);
+  j["cpu"] = bench::cpu_id();
+  j["cpu_name"] = bench::cpu_name();
+}
+
 // The JSON keys that torch_gpt.py prints, then tapegrad's own.
 nlohmann::ordered_json result_json(const Options& o, const lm::RunResult& r) {
   const lm::TrainConfig& c = o.c;
@@ -102,6 +118,7 @@ nlohmann::ordered_json result_json(const Options& o, const lm::RunResult& r) {
   j["gradient_checkpointing"] = c.gradient_checkpointing;
   j["params"] = r.parameters;
   j["world_size"] = r.world_size;  // tokens_per_s counts the global batch, as the reference's
+  add_mfu(j, o, r);
   if (r.world_size > 1) {
     j["comm_buckets"] = r.comm.buckets;
     j["comm_mb"] = num(r.comm.bytes / 1e6, 3);
