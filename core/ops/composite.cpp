@@ -7,6 +7,7 @@
 
 #include "dispatch.h"
 #include "ops/attention.h"
+#include "tapegrad/composite.h"
 #include "tapegrad/ops.h"
 
 namespace tg::composite {

@@ -86,8 +86,8 @@ Tensor dropout(const Tensor& x, double p, bool train = true);
 
 // ---- normalisation: each one fused op (one tape node) whose backward is the hand-derived
 // gradient in core/kernels/norms.h. weight / bias may be undefined tensors (no gain / no bias).
-// Each has a composite twin in tg::composite built from the primitive ops above, whose gradient
-// comes from the tape; the tests hold the two together.
+// Each has a composite twin in tg::composite (tapegrad/composite.h) built from the primitive ops
+// above, whose gradient comes from the tape; the tests hold the two together.
 
 // LayerNorm over the last axis (F.layer_norm with normalized_shape = (C,)).
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
@@ -140,24 +140,6 @@ std::pair<Tensor, Tensor> rope_tables(std::int64_t max_pos, std::int64_t head_si
 // turns q and k and passes v through.
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, std::int64_t head_size, std::int64_t rotated = -1,
             std::int64_t pos0 = 0);
-
-namespace composite {
-Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
-Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5, double p = 1.0);
-// Batch statistics (training) when running stats are undefined or training; running stats otherwise.
-// Does not update running statistics.
-Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
-                  const Tensor& bias, bool training, double eps = 1e-5, bool channels_last = false);
-Tensor weight_norm(const Tensor& v, const Tensor& g);
-Tensor scaled_causal_softmax(const Tensor& x, double scale);
-// split, permute, two batched matmuls and a masked softmax: the textbook version
-Tensor causal_attention(const Tensor& qkv, std::int64_t n_head);
-Tensor silu(const Tensor& x);    // x * sigmoid(x)
-Tensor swiglu(const Tensor& x);  // silu(gate slice) * up slice
-// the reference's q * cos + rotate_half(q) * sin on the (B, H, T, hs) layout: slices, permutes, cat
-Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, std::int64_t head_size, std::int64_t rotated = -1,
-            std::int64_t pos0 = 0);
-}  // namespace composite
 
 // ---- shape ops (all copy except reshape/view; all differentiable) ----
 Tensor reshape(const Tensor& x, const Shape& shape);

@@ -6,6 +6,7 @@
 // tapegrad/hooks.h (gradient hooks), tapegrad/anomaly.h (anomaly mode, op timing) and
 // tapegrad/memory.h (the allocator's counters).
 #include "tapegrad/autograd.h"
+#include "tapegrad/composite.h"
 #include "tapegrad/dtype.h"
 #include "tapegrad/error.h"
 #include "tapegrad/gradcheck.h"
