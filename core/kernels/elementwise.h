@@ -9,8 +9,8 @@
 //   d           (n)  f'(x), which a recorded GELU saves in place of x
 //   a, b        binary operands: (n) each; or one (M, L), the other (L); or as the plan says
 //   dy          gradient of y, y's shape
-//   dx, da, db  gradients of x, a, b, each its input's shape: written (=) or added (+=) as the
-//               kernel's acc flag says; a broadcast operand's gradient is always added
+//   dx, da, db  gradients of x, a, b, each its input's shape, written (=) as fresh buffers; a
+//               row's or a broadcast operand's gradient is a sum over the output's elements
 #include <cmath>
 #include <cstdint>
 #include <numbers>
@@ -164,19 +164,17 @@ void unary_forward_deriv(const T* x, T* y, T* d, std::int64_t n, Op op) {
   });
 }
 
-// x (n), y (n), dy (n) -> dx (n): dx (+)= dy * df(x, y) (+= when acc, = otherwise); x or y may be
-// null when Op does not read it.
+// x (n), y (n), dy (n) -> dx (n): dx = dy * df(x, y); x or y may be null when Op does not read
+// it. dx may be dy's buffer: each dy[i] is read before dx[i] is written.
 template <class T, class Op>
-void unary_backward(const T* x, const T* y, const T* dy, T* dx, std::int64_t n, Op op, bool acc) {
-  with_acc(acc, [&](auto A) {
-    parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-      for (std::int64_t i = lo; i < hi; ++i) {
-        T xi{}, yi{};
-        if constexpr (Op::kX) xi = x[i];
-        if constexpr (Op::kY) yi = y[i];
-        put<decltype(A)>(dx[i], dy[i] * op.df(xi, yi));
-      }
-    });
+void unary_backward(const T* x, const T* y, const T* dy, T* dx, std::int64_t n, Op op) {
+  parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t i = lo; i < hi; ++i) {
+      T xi{}, yi{};
+      if constexpr (Op::kX) xi = x[i];
+      if constexpr (Op::kY) yi = y[i];
+      dx[i] = dy[i] * op.df(xi, yi);
+    }
   });
 }
 
@@ -220,21 +218,17 @@ void binary_forward_same(const T* a, const T* b, T* y, std::int64_t n) {
     for (std::int64_t i = lo; i < hi; ++i) y[i] = Op::f(a[i], b[i]);
   });
 }
-// a (n), b (n), dy (n) -> da (n), db (n): da (+)= dy * da(a, b), db (+)= dy * db(a, b); acc_a /
-// acc_b pick += over =; a null da or db is skipped.
+// a (n), b (n), dy (n) -> da (n), db (n): da = dy * da(a, b), db = dy * db(a, b); a null da or db
+// is skipped. da is written first: dy's buffer may be db's, or da's when db is null.
 template <class T, class Op>
-void binary_backward_same(const T* a, const T* b, const T* dy, T* da, T* db, std::int64_t n, bool acc_a, bool acc_b) {
+void binary_backward_same(const T* a, const T* b, const T* dy, T* da, T* db, std::int64_t n) {
   if (da)
-    with_acc(acc_a, [&](auto A) {
-      parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-        for (std::int64_t i = lo; i < hi; ++i) put<decltype(A)>(da[i], dy[i] * Op::da(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, i)));
-      });
+    parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t i = lo; i < hi; ++i) da[i] = dy[i] * Op::da(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, i));
     });
   if (db)
-    with_acc(acc_b, [&](auto A) {
-      parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-        for (std::int64_t i = lo; i < hi; ++i) put<decltype(A)>(db[i], dy[i] * Op::db(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, i)));
-      });
+    parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t i = lo; i < hi; ++i) db[i] = dy[i] * Op::db(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, i));
     });
 }
 
@@ -257,14 +251,14 @@ void binary_forward_rows(const T* a, const T* b, T* y, std::int64_t M, std::int6
     }
   });
 }
-// dy (M, L) -> d_full (M, L), d_row (L, +=): the full operand's and the row's gradients, each
+// dy (M, L) -> d_full (M, L), d_row (L): the full operand's and the row's gradients, each
 // skipped when null.
-// The full operand's gradient is written element by element ((+)= as acc_full); the row's is a
-// sum over the M rows, each thread summing its rows into its own buffer (partials added in thread
-// order: the same bits for the same thread count), then added into d_row.
+// The full operand's gradient is written element by element; the row's is a sum over the M rows,
+// each thread summing its rows into its own buffer (partials added in thread order: the same bits
+// for the same thread count), then written into d_row.
 template <class T, class Op>
 void binary_backward_rows(const T* a, const T* b, const T* dy, T* da, T* db, std::int64_t M, std::int64_t L,
-                          bool row_is_b, bool acc_full) {
+                          bool row_is_b) {
   T* d_full = row_is_b ? da : db;
   T* d_row = row_is_b ? db : da;
   auto partial = [&](std::int64_t j, std::int64_t m) -> T {  // d y[m, j] / d row[j] * dy[m, j]
@@ -273,16 +267,13 @@ void binary_backward_rows(const T* a, const T* b, const T* dy, T* da, T* db, std
                     : dy[i] * Op::da(load<Op::kNeedA>(a, j), load<Op::kNeedB>(b, i));
   };
   if (d_full)
-    with_acc(acc_full, [&](auto A) {
-      parallel_for(M, M * L, [&](std::int64_t lo, std::int64_t hi) {
-        for (std::int64_t m = lo; m < hi; ++m)
-          for (std::int64_t j = 0; j < L; ++j) {
-            const std::int64_t i = m * L + j;
-            const T g = row_is_b ? dy[i] * Op::da(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, j))
-                                 : dy[i] * Op::db(load<Op::kNeedA>(a, j), load<Op::kNeedB>(b, i));
-            put<decltype(A)>(d_full[i], g);
-          }
-      });
+    parallel_for(M, M * L, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t m = lo; m < hi; ++m)
+        for (std::int64_t j = 0; j < L; ++j) {
+          const std::int64_t i = m * L + j;
+          d_full[i] = row_is_b ? dy[i] * Op::da(load<Op::kNeedA>(a, i), load<Op::kNeedB>(b, j))
+                               : dy[i] * Op::db(load<Op::kNeedA>(a, j), load<Op::kNeedB>(b, i));
+        }
     });
   if (d_row) {
     const int nt = worth_parallel(M * L) ? omp_get_max_threads() : 1;
@@ -294,13 +285,13 @@ void binary_backward_rows(const T* a, const T* b, const T* dy, T* da, T* db, std
     });
     for (int t = 1; t < nt; ++t)
       for (std::int64_t j = 0; j < L; ++j) part[static_cast<std::size_t>(j)] += part[static_cast<std::size_t>(t * L + j)];
-    for (std::int64_t j = 0; j < L; ++j) d_row[j] += static_cast<T>(part[static_cast<std::size_t>(j)]);
+    for (std::int64_t j = 0; j < L; ++j) d_row[j] = static_cast<T>(part[static_cast<std::size_t>(j)]);
   }
 }
 
 // General NumPy broadcasting: the output index (over `shape`) maps to a and b through strides
 // that are 0 along broadcast dimensions. Visits every output element in order, serially (the
-// backward accumulates into broadcast inputs, where parallel writes would race).
+// backward sums into broadcast inputs, where parallel writes would race).
 struct BroadcastPlan {
   int nd = 0;
   std::int64_t shape[8] = {};
@@ -335,9 +326,13 @@ template <class T, class Op>
 void binary_forward_broadcast(const BroadcastPlan& p, const T* a, const T* b, T* y) {
   for_each_broadcast(p, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) { y[i] = Op::f(a[ia], b[ib]); });
 }
-// dy (p.shape) -> da, db (+=, a's and b's shapes); a null one is skipped
+// dy (p.shape) -> da (na), db (nb), a's and b's shapes: each a sum over the output elements that
+// read that operand's element, into a buffer zero-filled here; a null one is skipped.
 template <class T, class Op>
-void binary_backward_broadcast(const BroadcastPlan& p, const T* a, const T* b, const T* dy, T* da, T* db) {
+void binary_backward_broadcast(const BroadcastPlan& p, const T* a, const T* b, const T* dy, T* da, std::int64_t na,
+                               T* db, std::int64_t nb) {
+  if (da) fill_zero(da, na);
+  if (db) fill_zero(db, nb);
   for_each_broadcast(p, [&](std::int64_t i, std::int64_t ia, std::int64_t ib) {
     const T av = load<Op::kNeedA>(a, ia), bv = load<Op::kNeedB>(b, ib);
     if (da) da[ia] += dy[i] * Op::da(av, bv);

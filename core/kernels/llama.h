@@ -9,7 +9,7 @@
 //   x, y        (B, Tn, D)      RoPE's input and output (Tn positions; D columns of packed heads)
 //   hs, half    head size and hs / 2, the distance between the two elements of a rotated pair
 //   cos, sin    (P, hs)         the tables: row p for position p
-//   dy, dx      gradients, each shaped as y and x: dx written (=) or added (+=) as `acc` says
+//   dy, dx      gradients, each shaped as y and x; dx is written (=), a fresh buffer
 #include <cmath>
 #include <cstdint>
 
@@ -50,18 +50,16 @@ void silu_forward(const T* x, T* y, std::int64_t n) {
     }
   });
 }
-// x (n), dy (n) -> dx (n): dx (+)= dy s (1 + x (1 - s)). dx may be dy's buffer: each element of dy
+// x (n), dy (n) -> dx (n): dx = dy s (1 + x (1 - s)). dx may be dy's buffer: each element of dy
 // is read before the same element of dx is written.
 template <class T>
-void silu_backward(const T* x, const T* dy, T* dx, std::int64_t n, bool acc) {
-  with_acc(acc, [&](auto A) {
-    parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-      for (std::int64_t i = lo; i < hi; ++i) {
-        T s, c;
-        sigmoid_and_complement(x[i], s, c);
-        put<decltype(A)>(dx[i], dy[i] * (s * (T(1) + x[i] * c)));
-      }
-    });
+void silu_backward(const T* x, const T* dy, T* dx, std::int64_t n) {
+  parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t i = lo; i < hi; ++i) {
+      T s, c;
+      sigmoid_and_complement(x[i], s, c);
+      dx[i] = dy[i] * (s * (T(1) + x[i] * c));
+    }
   });
 }
 
@@ -88,25 +86,23 @@ void swiglu_forward(const T* x, T* y, std::int64_t rows, std::int64_t F) {
     }
   });
 }
-// x (rows, 2F), dy (rows, F) -> dx (rows, 2F): every element written (=) or added (+=, acc).
+// x (rows, 2F), dy (rows, F) -> dx (rows, 2F): every element written.
 template <class T>
-void swiglu_backward(const T* x, const T* dy, T* dx, std::int64_t rows, std::int64_t F, bool acc) {
-  with_acc(acc, [&](auto A) {
-    parallel_for(rows, 2 * rows * F, [&](std::int64_t lo, std::int64_t hi) {
-      for (std::int64_t r = lo; r < hi; ++r) {
-        const T* g = x + r * 2 * F;
-        const T* u = g + F;
-        const T* dyr = dy + r * F;
-        T* dg = dx + r * 2 * F;
-        T* du = dg + F;
-        for (std::int64_t j = 0; j < F; ++j) {
-          T s, c;
-          sigmoid_and_complement(g[j], s, c);
-          put<decltype(A)>(dg[j], dyr[j] * u[j] * (s * (T(1) + g[j] * c)));
-          put<decltype(A)>(du[j], dyr[j] * (g[j] * s));
-        }
+void swiglu_backward(const T* x, const T* dy, T* dx, std::int64_t rows, std::int64_t F) {
+  parallel_for(rows, 2 * rows * F, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = lo; r < hi; ++r) {
+      const T* g = x + r * 2 * F;
+      const T* u = g + F;
+      const T* dyr = dy + r * F;
+      T* dg = dx + r * 2 * F;
+      T* du = dg + F;
+      for (std::int64_t j = 0; j < F; ++j) {
+        T s, c;
+        sigmoid_and_complement(g[j], s, c);
+        dg[j] = dyr[j] * u[j] * (s * (T(1) + g[j] * c));
+        du[j] = dyr[j] * (g[j] * s);
       }
-    });
+    }
   });
 }
 
@@ -168,31 +164,29 @@ void rope_forward(const T* x, const T* cos, const T* sin, T* y, std::int64_t B, 
     }
   });
 }
-// dy (B, Tn, D), cos, sin (P, hs) -> dx (B, Tn, D): dx (+)= M^T dy per pair, dy itself past `rotated`.
+// dy (B, Tn, D), cos, sin (P, hs) -> dx (B, Tn, D): dx = M^T dy per pair, dy itself past `rotated`.
 template <class T>
 void rope_backward(const T* dy, const T* cos, const T* sin, T* dx, std::int64_t B, std::int64_t Tn, std::int64_t D,
-                   std::int64_t hs, std::int64_t rotated, std::int64_t pos0, bool acc) {
+                   std::int64_t hs, std::int64_t rotated, std::int64_t pos0) {
   const std::int64_t half = hs / 2;
-  with_acc(acc, [&](auto A) {
-    parallel_for(B * Tn, B * Tn * D, [&](std::int64_t lo, std::int64_t hi) {
-      for (std::int64_t r = lo; r < hi; ++r) {
-        const T* c = cos + (pos0 + r % Tn) * hs;
-        const T* s = sin + (pos0 + r % Tn) * hs;
-        const T* gr = dy + r * D;
-        T* dr = dx + r * D;
-        for (std::int64_t h = 0; h < rotated; h += hs) {
-          const T* ga = gr + h;
-          const T* gb = ga + half;
-          T* da = dr + h;
-          T* db = da + half;
-          for (std::int64_t j = 0; j < half; ++j) {
-            put<decltype(A)>(da[j], ga[j] * c[j] + gb[j] * s[half + j]);
-            put<decltype(A)>(db[j], gb[j] * c[half + j] - ga[j] * s[j]);
-          }
+  parallel_for(B * Tn, B * Tn * D, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t r = lo; r < hi; ++r) {
+      const T* c = cos + (pos0 + r % Tn) * hs;
+      const T* s = sin + (pos0 + r % Tn) * hs;
+      const T* gr = dy + r * D;
+      T* dr = dx + r * D;
+      for (std::int64_t h = 0; h < rotated; h += hs) {
+        const T* ga = gr + h;
+        const T* gb = ga + half;
+        T* da = dr + h;
+        T* db = da + half;
+        for (std::int64_t j = 0; j < half; ++j) {
+          da[j] = ga[j] * c[j] + gb[j] * s[half + j];
+          db[j] = gb[j] * c[half + j] - ga[j] * s[j];
         }
-        for (std::int64_t k = rotated; k < D; ++k) put<decltype(A)>(dr[k], gr[k]);
       }
-    });
+      for (std::int64_t k = rotated; k < D; ++k) dr[k] = gr[k];
+    }
   });
 }
 

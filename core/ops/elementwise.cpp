@@ -4,8 +4,9 @@
 
 #include "dispatch.h"
 #include "kernels/elementwise.h"
+#include "ops/internal.h"
+#include "ops/recompute.h"
 #include "tapegrad/autograd.h"
-#include "tapegrad/checkpoint.h"
 #include "tapegrad/ops.h"
 
 namespace tg {
@@ -68,15 +69,16 @@ const T* saved_b(const S& s) {
   else return nullptr;
 }
 
-// Records op with the SavedAB<SaveA, SaveB> of a and b; backward(Node&, const SavedAB&).
+// Records op with the SavedAB<SaveA, SaveB> of a and b; backward(Node&, const SavedAB&). Returns
+// the node.
 template <bool SaveA, bool SaveB, class F>
-void record_saving(const char* op, std::initializer_list<const Tensor*> in, Tensor* out, F&& backward,
-                   const Tensor& a, const Tensor& b) {
+Node& record_saving(const char* op, std::initializer_list<const Tensor*> in, Tensor* out, F&& backward,
+                    const Tensor& a, const Tensor& b) {
   using S = SavedAB<SaveA, SaveB>;
-  if constexpr (SaveA && SaveB) record(op, in, {out}, S{a.detach(), b.detach()}, std::forward<F>(backward));
-  else if constexpr (SaveA) record(op, in, {out}, S{a.detach()}, std::forward<F>(backward));
-  else if constexpr (SaveB) record(op, in, {out}, S{b.detach()}, std::forward<F>(backward));
-  else record(op, in, {out}, [f = std::forward<F>(backward)](Node& n) { f(n, S{}); });
+  if constexpr (SaveA && SaveB) return record(op, in, {out}, S{a.detach(), b.detach()}, std::forward<F>(backward));
+  else if constexpr (SaveA) return record(op, in, {out}, S{a.detach()}, std::forward<F>(backward));
+  else if constexpr (SaveB) return record(op, in, {out}, S{b.detach()}, std::forward<F>(backward));
+  else return record(op, in, {out}, [f = std::forward<F>(backward)](Node& n) { f(n, S{}); });
 }
 
 // L when r is one row of out's trailing dims (any leading dims 1), so that out is (M, L) with r
@@ -90,79 +92,92 @@ std::int64_t row_len(const Shape& out, const Shape& r) {
   return r.numel();
 }
 
+// Where binary() reads its operands: same shape; a row (bias, position table) repeated over the
+// rows of the other (out (M, L)); general broadcasting (serial, index arithmetic).
+enum class Kind { same, rows, general };
+struct BinaryLayout {
+  Kind kind = Kind::general;
+  BroadcastPlan plan;   // general only
+  std::int64_t M = 0, L = 0;
+  bool row_is_b = false;  // rows: which operand is the row
+};
+
+BinaryLayout binary_layout(const Shape& out, const Shape& a, const Shape& b) {
+  BinaryLayout l;
+  if (a == b) {
+    l.kind = Kind::same;
+  } else if (a == out || b == out) {
+    l.row_is_b = a == out;
+    l.L = l.row_is_b ? row_len(out, b) : row_len(out, a);
+    if (l.L > 0) l.kind = Kind::rows;
+  }
+  if (l.kind == Kind::general) l.plan = make_plan(out, a, b);
+  if (l.L > 0) l.M = out.numel() / l.L;
+  return l;
+}
+
+// da and db, each written whole into a fresh buffer. With same-shaped operands db is asked for
+// first, so that it is the one that may be dy's buffer (the node declares may_overwrite_grad_out;
+// the kernel writes da before db).
+template <class Op, class S>
+void binary_node_backward(Node& n, const S& s, const BinaryLayout& l) {
+  const Tensor& dy = n.grad_out();
+  Tensor db = n.new_grad(1), da = n.new_grad(0);
+  dispatch_float("backward", dy.dtype(), [&](auto z) {
+    using T = decltype(z);
+    const T* ap = saved_a<T>(s);
+    const T* bp = saved_b<T>(s);
+    const T* g = dy.data<T>();
+    T* dap = detail::grad_ptr<T>(da);
+    T* dbp = detail::grad_ptr<T>(db);
+    switch (l.kind) {
+      case Kind::same: binary_backward_same<T, Op>(ap, bp, g, dap, dbp, dy.numel()); break;
+      case Kind::rows: binary_backward_rows<T, Op>(ap, bp, g, dap, dbp, l.M, l.L, l.row_is_b); break;
+      case Kind::general:
+        binary_backward_broadcast<T, Op>(l.plan, ap, bp, g, dap, dap ? da.numel() : 0, dbp, dbp ? db.numel() : 0);
+        break;
+    }
+  });
+  n.pass_grad(0, std::move(da));
+  n.pass_grad(1, std::move(db));
+}
+
 template <class Op>
 Tensor binary(const char* name, const Tensor& a, const Tensor& b) {
   detail::check_float(name, a);
   detail::check_float(name, b);
   detail::check_same_dtype(name, a, b);
   const Shape out = broadcast_shapes(name, a.shape(), b.shape());
-  // Three layouts: same shape; a row (bias, position table) repeated over the rows of the other;
-  // general broadcasting (serial, index arithmetic).
-  enum class Kind { same, rows, general } kind = Kind::general;
-  bool row_is_b = false;
-  std::int64_t L = 0;
-  if (a.shape() == b.shape()) {
-    kind = Kind::same;
-  } else if (a.shape() == out || b.shape() == out) {
-    row_is_b = a.shape() == out;
-    L = row_is_b ? row_len(out, b.shape()) : row_len(out, a.shape());
-    if (L > 0) kind = Kind::rows;
-  }
-  const BroadcastPlan plan = kind == Kind::general ? make_plan(out, a.shape(), b.shape()) : BroadcastPlan{};
-  const std::int64_t M = L > 0 ? out.numel() / L : 0;
+  const BinaryLayout l = binary_layout(out, a.shape(), b.shape());
   Tensor y = Tensor::empty(out, a.dtype());
   dispatch_float(name, a.dtype(), [&](auto z) {
     using T = decltype(z);
-    switch (kind) {
+    switch (l.kind) {
       case Kind::same: binary_forward_same<T, Op>(a.data<T>(), b.data<T>(), y.data<T>(), y.numel()); break;
-      case Kind::rows: binary_forward_rows<T, Op>(a.data<T>(), b.data<T>(), y.data<T>(), M, L, row_is_b); break;
-      case Kind::general: binary_forward_broadcast<T, Op>(plan, a.data<T>(), b.data<T>(), y.data<T>()); break;
+      case Kind::rows: binary_forward_rows<T, Op>(a.data<T>(), b.data<T>(), y.data<T>(), l.M, l.L, l.row_is_b); break;
+      case Kind::general: binary_forward_broadcast<T, Op>(l.plan, a.data<T>(), b.data<T>(), y.data<T>()); break;
     }
   });
   if (should_record({&a, &b})) {
-    record_saving<Op::kNeedA, Op::kNeedB>(
-        name, {&a, &b}, &y,
-        [kind, plan, M, L, row_is_b](Node& n, const auto& s) {
-          const Tensor& dy = n.grad_out();
-          dispatch_float("backward", dy.dtype(), [&](auto z) {
-            using T = decltype(z);
-            const T* ap = saved_a<T>(s);
-            const T* bp = saved_b<T>(s);
-            if (kind == Kind::same) {  // writes da and db
-              // da is written first, so only db (the last reader of dy) may take dy's buffer.
-              const T* dyp = dy.data<T>();
-              const std::int64_t count = dy.numel();
-              GradDest da = n.write_grad(0), db = n.write_grad_over_output(1);
-              binary_backward_same<T, Op>(ap, bp, dyp, da.ptr<T>(), db.ptr<T>(), count, da.acc, db.acc);
-            } else if (kind == Kind::rows) {  // writes the full operand's gradient; adds the row's (a sum)
-              GradDest full = n.write_grad(row_is_b ? 0 : 1);
-              GradDest row = n.add_grad(row_is_b ? 1 : 0);
-              T* da = row_is_b ? full.ptr<T>() : row.ptr<T>();
-              T* db = row_is_b ? row.ptr<T>() : full.ptr<T>();
-              binary_backward_rows<T, Op>(ap, bp, dy.data<T>(), da, db, M, L, row_is_b, full.acc);
-            } else {  // adds da and db (sums over the broadcast dims)
-              binary_backward_broadcast<T, Op>(plan, ap, bp, dy.data<T>(), n.add_grad(0).ptr<T>(), n.add_grad(1).ptr<T>());
-            }
-          });
-        },
-        a, b);
+    Node& node = record_saving<Op::kNeedA, Op::kNeedB>(
+        name, {&a, &b}, &y, [l](Node& n, const auto& s) { binary_node_backward<Op>(n, s, l); }, a, b);
+    if (l.kind == Kind::same) node.may_overwrite_grad_out();
   }
   return y;
 }
 
 // The backward of a recorded unary op: writes dx = dy * op.df(x, y), x and y read from what the
-// node saved (s.a = x, s.b = y; null when not saved).
+// node saved (s.a = x, s.b = y; null when not saved). The node declares may_overwrite_grad_out:
+// dx may be dy's own buffer.
 template <class Op, class S>
 void unary_node_backward(Node& n, const S& s, Op op) {
   const Tensor& dy = n.grad_out();
-  const void* dyp = dy.raw_data();  // before write_grad_over_output, which may take dy's buffer
-  const DType dt = dy.dtype();
-  const std::int64_t count = dy.numel();
-  GradDest dx = n.write_grad_over_output(0);
-  dispatch_float("backward", dt, [&](auto z) {
+  Tensor dx = n.new_grad(0);
+  dispatch_float("backward", dy.dtype(), [&](auto z) {
     using T = decltype(z);
-    unary_backward<T>(saved_a<T>(s), saved_b<T>(s), static_cast<const T*>(dyp), dx.ptr<T>(), count, op, dx.acc);
+    unary_backward<T>(saved_a<T>(s), saved_b<T>(s), dy.data<T>(), dx.data<T>(), dy.numel(), op);
   });
+  n.pass_grad(0, std::move(dx));
 }
 
 template <class Op>
@@ -184,7 +199,8 @@ Tensor unary_saving_deriv(const char* name, const Tensor& x, Op op) {
     unary_forward_deriv<T>(x.data<T>(), y.data<T>(), d.data<T>(), x.numel(), op);
   });
   using Saved = SavedAB<true, false>;  // a = f'(x)
-  record(name, {&x}, {&y}, Saved{d}, [](Node& n, const Saved& s) { unary_node_backward(n, s, SavedDerivOp{}); });
+  record(name, {&x}, {&y}, Saved{d}, [](Node& n, const Saved& s) { unary_node_backward(n, s, SavedDerivOp{}); })
+      .may_overwrite_grad_out();
   return y;
 }
 
@@ -209,7 +225,8 @@ struct DerivOf {
   }
 };
 
-// In a checkpointed segment's recomputation, where memory comes first: the node saves x, which the
+// Where an op keeps no buffer its backward can recompute (detail::keep_recomputable: a
+// checkpointed segment's recomputation, where memory comes first): the node saves x, which the
 // caller's tensor holds anyway until the op returns, and the backward computes f'(x) again from it,
 // rather than a derivative buffer of x's size made beside y.
 template <class Op>
@@ -220,7 +237,8 @@ Tensor unary_recomputing_deriv(const char* name, const Tensor& x, Op op) {
     unary_forward<T>(x.data<T>(), y.data<T>(), x.numel(), ValueOf<Op>{op});
   });
   record_saving<true, false>(name, {&x}, &y, [op](Node& n, const auto& s) { unary_node_backward(n, s, DerivOf<Op>{op}); },
-                             x, y);
+                             x, y)
+      .may_overwrite_grad_out();
   return y;
 }
 
@@ -229,7 +247,7 @@ Tensor unary(const char* name, const Tensor& x, Op op) {
   detail::check_float(name, x);
   if constexpr (has_fdf<Op>())
     if (should_record({&x}))
-      return in_checkpoint_recompute() ? unary_recomputing_deriv(name, x, op) : unary_saving_deriv(name, x, op);
+      return detail::keep_recomputable() ? unary_saving_deriv(name, x, op) : unary_recomputing_deriv(name, x, op);
   Tensor y = Tensor::empty(x.shape(), x.dtype());
   dispatch_float(name, x.dtype(), [&](auto z) {
     using T = decltype(z);
@@ -238,7 +256,8 @@ Tensor unary(const char* name, const Tensor& x, Op op) {
   if constexpr (!has_fdf<Op>()) {
     if (should_record({&x}))
       record_saving<Op::kX, Op::kY>(
-          name, {&x}, &y, [op](Node& n, const auto& s) { unary_node_backward(n, s, op); }, x, y);
+          name, {&x}, &y, [op](Node& n, const auto& s) { unary_node_backward(n, s, op); }, x, y)
+          .may_overwrite_grad_out();
   }
   return y;
 }

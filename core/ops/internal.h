@@ -1,5 +1,6 @@
 #pragma once
 // Helpers shared between op files (not part of the public API).
+#include <cstring>
 #include <vector>
 
 #include "tapegrad/node.h"
@@ -7,16 +8,27 @@
 
 namespace tg::detail {
 
-// y (already allocated, shape x.shape permuted) = x with y's dim d taken from x's dim perm[d];
-// accumulate adds into y instead of overwriting. Any dtype; no autograd.
-void permute_into(const Tensor& x, const std::vector<int>& perm, Tensor& y, bool accumulate);
+// y (already allocated, shape x.shape permuted) = x with y's dim d taken from x's dim perm[d].
+// Any dtype; no autograd.
+void permute_into(const Tensor& x, const std::vector<int>& perm, Tensor& y);
 
 // The inverse permutation: inv[perm[d]] = d.
 std::vector<int> inverse_perm(const std::vector<int>& perm);
 
-// dx (+)= dy, same number of elements (reshape, clone, the float casts' identity part, a
-// checkpointed segment's input): a copy into a fresh gradient, an add into one that holds another
-// path's part. Float dtypes and bfloat16.
-void accumulate_flat(const Tensor& dy, GradDest dx);
+// A gradient buffer's data for a backward kernel to write (Node::new_grad), or null when the
+// input needs no gradient (the kernel then skips it).
+template <class T>
+T* grad_ptr(Tensor& g) {
+  return g.defined() ? g.data<T>() : nullptr;
+}
+
+// Input i's gradient is zero (an empty product, a result that does not depend on it): a
+// zero-filled buffer handed to the tape, so that the input's gradient is defined.
+inline void pass_zeros(const Node& n, std::size_t i) {
+  Tensor g = n.new_grad(i);
+  if (!g.defined()) return;
+  if (g.nbytes()) std::memset(g.raw_data(), 0, g.nbytes());
+  n.pass_grad(i, std::move(g));
+}
 
 }  // namespace tg::detail

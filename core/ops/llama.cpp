@@ -8,6 +8,7 @@
 #include "dispatch.h"
 #include "kernels/llama.h"
 #include "tapegrad/autograd.h"
+#include "tapegrad/composite.h"
 #include "tapegrad/ops.h"
 
 namespace tg {
@@ -81,14 +82,15 @@ Tensor silu(const Tensor& x) {
   });
   if (should_record({&x})) {
     struct Saved { Tensor x; };  // backward recomputes sigmoid(x) from it
-    record(op, {&x}, {&y}, Saved{x.detach()}, [N](Node& n, const Saved& s) {  // writes dx, over dy when free
-      const void* dy = n.grad_out().raw_data();  // before write_grad_over_output, which may take dy's buffer
-      GradDest dx = n.write_grad_over_output(0);
+    record(op, {&x}, {&y}, Saved{x.detach()}, [N](Node& n, const Saved& s) {
+      const Tensor& dy = n.grad_out();  // read before new_grad, which may hand out dy's own buffer
+      Tensor dx = n.new_grad(0);
       dispatch_float("silu", s.x.dtype(), [&](auto z) {
         using T = decltype(z);
-        silu_backward(s.x.data<T>(), static_cast<const T*>(dy), dx.ptr<T>(), N, dx.acc);
+        silu_backward(s.x.data<T>(), dy.data<T>(), dx.data<T>(), N);
       });
-    });
+      n.pass_grad(0, std::move(dx));
+    }).may_overwrite_grad_out();  // silu_backward writes dx[i] after reading dy[i]
   }
   return y;
 }
@@ -105,12 +107,13 @@ Tensor swiglu(const Tensor& x) {
   });
   if (should_record({&x})) {
     struct Saved { Tensor x; };  // gate and up; backward recomputes sigmoid(gate)
-    record(op, {&x}, {&y}, Saved{x.detach()}, [rows, F](Node& n, const Saved& s) {  // writes dx
+    record(op, {&x}, {&y}, Saved{x.detach()}, [rows, F](Node& n, const Saved& s) {
+      Tensor dx = n.new_grad(0);
       dispatch_float("swiglu", s.x.dtype(), [&](auto z) {
         using T = decltype(z);
-        GradDest dx = n.write_grad(0);
-        swiglu_backward(s.x.data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, F, dx.acc);
+        swiglu_backward(s.x.data<T>(), n.grad_out().data<T>(), dx.data<T>(), rows, F);
       });
+      n.pass_grad(0, std::move(dx));
     });
   }
   return y;
@@ -142,13 +145,14 @@ Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, std::int64_t 
   if (should_record({&x})) {  // cos and sin are constants: no gradient reaches them
     struct Saved { Tensor cos, sin; };  // the tables; the backward does not read x
     record(op, {&x}, {&y}, Saved{cos.detach(), sin.detach()},
-           [d, head_size, pos0](Node& n, const Saved& s) {  // writes dx
+           [d, head_size, pos0](Node& n, const Saved& s) {
+             Tensor dx = n.new_grad(0);
              dispatch_float("rope", s.cos.dtype(), [&](auto z) {
                using T = decltype(z);
-               GradDest dx = n.write_grad(0);
-               rope_backward(n.grad_out().data<T>(), s.cos.data<T>(), s.sin.data<T>(), dx.ptr<T>(), d.B, d.Tn, d.D,
-                             head_size, d.rotated, pos0, dx.acc);
+               rope_backward(n.grad_out().data<T>(), s.cos.data<T>(), s.sin.data<T>(), dx.data<T>(), d.B, d.Tn, d.D,
+                             head_size, d.rotated, pos0);
              });
+             n.pass_grad(0, std::move(dx));
            });
   }
   return y;
