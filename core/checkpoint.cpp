@@ -9,6 +9,7 @@
 #include "dispatch.h"  // check_defined
 #include "ops/internal.h"
 #include "tape_internal.h"
+#include "tapegrad/anomaly.h"
 #include "tapegrad/autocast.h"
 #include "tapegrad/random.h"
 
@@ -102,10 +103,10 @@ void check_reads(Tape& t, const Tensor& xd, const std::vector<Tensor>& params, c
   if (xd.meta()) known.insert(xd.meta().get());
   for (std::size_t i = 0; i < t.size(); ++i) {
     const Node& n = detail::TapeAccess::node(t, i);
-    if (n.freed) continue;  // swept: nothing reads its outputs
+    if (n.freed()) continue;  // swept: nothing reads its outputs
     for (const Node::Slot& s : n.inputs())
       if (s && !known.count(s.get()))
-        fail("checkpoint", "fn's op '", n.op, "' reads a tensor ", s->dtype, " ", s->shape,
+        fail("checkpoint", "fn's op '", n.name(), "' reads a tensor ", s->dtype, " ", s->shape,
              " that requires grad and is neither x, nor in params, nor computed by fn from them; pass a parameter "
              "in params (a module's parameters()) and an activation as x");
     for (const Node::Slot& o : n.outputs()) known.insert(o.get());
@@ -170,13 +171,8 @@ Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& x, cons
         gx = xd.grad();
       }
     }  // the segment's tape is empty again
-    if (!n.needs_grad(0)) return;
-    if (!gx.defined()) {  // fn's result does not depend on x: x's gradient gets zeros added
-      n.add_grad(0);      // (a new one is zero-filled)
-      return;
-    }
-    if (n.take_grad(0, gx)) return;  // the inner walk's buffer becomes x's gradient
-    detail::accumulate_flat(gx, n.write_grad(0));
+    if (!gx.defined()) return detail::pass_zeros(n, 0);  // fn's result does not depend on x
+    n.pass_grad(0, std::move(gx));  // the inner walk's buffer, to be x's gradient
   };
   record(op, inputs, {&y}, Saved{x.detach()}, std::move(backward_fn));
   return y;

@@ -13,7 +13,7 @@
 //   y      (O, I)     the reduction (sum / mean, variance, max)
 //   mean   (O, I)     var's mean, saved for its backward
 //   dy     (O, I)     gradient of y
-//   dx     (O, R, I)  gradient of x, added (+=)
+//   dx     (O, R, I)  gradient of x, written (=)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -125,13 +125,13 @@ void sum_forward(const T* x, T* y, std::int64_t O, std::int64_t R, std::int64_t 
     for (std::int64_t i = i0; i < i1; ++i) y[o * I + i] = static_cast<T>(acc[i - i0] * scale);
   });
 }
-// dy (O, I) -> dx (O, R, I, +=): dx[o, r, i] += scale * dy[o, i]
+// dy (O, I) -> dx (O, R, I): dx[o, r, i] = scale * dy[o, i]
 template <class T>
 void sum_backward(const T* dy, T* dx, std::int64_t O, std::int64_t R, std::int64_t I, double scale) {
   for_reduce_blocks(O, R, I, [&](std::int64_t o, std::int64_t i0, std::int64_t i1) {
     for (std::int64_t r = 0; r < R; ++r) {
       T* row = dx + (o * R + r) * I;
-      for (std::int64_t i = i0; i < i1; ++i) row[i] += static_cast<T>(scale * dy[o * I + i]);
+      for (std::int64_t i = i0; i < i1; ++i) row[i] = static_cast<T>(scale * dy[o * I + i]);
     }
   });
 }
@@ -161,7 +161,7 @@ void var_forward(const T* x, T* y, T* mean_out, std::int64_t O, std::int64_t R, 
     }
   });
 }
-// x (O, R, I), mean (O, I), dy (O, I) -> dx (O, R, I, +=):
+// x (O, R, I), mean (O, I), dy (O, I) -> dx (O, R, I):
 // d var / d x_r = 2 (x_r - mean) / (R - correction)   (the mean's own dependence on x_r cancels,
 // because sum_r (x_r - mean) = 0)
 template <class T>
@@ -173,7 +173,7 @@ void var_backward(const T* x, const T* mean, const T* dy, T* dx, std::int64_t O,
       const T* xr = x + (o * R + r) * I;
       T* dr = dx + (o * R + r) * I;
       for (std::int64_t i = i0; i < i1; ++i)
-        dr[i] += static_cast<T>(k * dy[o * I + i] * (xr[i] - mean[o * I + i]));
+        dr[i] = static_cast<T>(k * dy[o * I + i] * (xr[i] - mean[o * I + i]));
     }
   });
 }
@@ -192,8 +192,8 @@ void max_forward(const T* x, T* y, std::int64_t O, std::int64_t R, std::int64_t 
     }
   });
 }
-// x (O, R, I), y (O, I), dy (O, I) -> dx (O, R, I, +=): the gradient goes to the elements equal to
-// the max, shared evenly between ties (torch.amax).
+// x (O, R, I), y (O, I), dy (O, I) -> dx (O, R, I): the gradient goes to the elements equal to
+// the max, shared evenly between ties (torch.amax); the others get 0.
 template <class T>
 void max_backward(const T* x, const T* y, const T* dy, T* dx, std::int64_t O, std::int64_t R, std::int64_t I) {
   for_reduce_blocks(O, R, I, [&](std::int64_t o, std::int64_t i0, std::int64_t i1) {
@@ -206,7 +206,7 @@ void max_backward(const T* x, const T* y, const T* dy, T* dx, std::int64_t O, st
       const T* row = x + (o * R + r) * I;
       T* dr = dx + (o * R + r) * I;
       for (std::int64_t i = i0; i < i1; ++i)
-        if (row[i] == y[o * I + i]) dr[i] += dy[o * I + i] / static_cast<T>(ties[i - i0]);
+        dr[i] = row[i] == y[o * I + i] ? dy[o * I + i] / static_cast<T>(ties[i - i0]) : T(0);
     }
   });
 }

@@ -61,17 +61,20 @@ ReducePlan plan_reduce(const char* op, const Shape& s, const std::vector<int>& a
 Tensor reduce_layout(const Tensor& x, const ReducePlan& p) {
   if (p.perm.empty()) return x.detach();
   Tensor xp = Tensor::empty(p.permuted, x.dtype());
-  detail::permute_into(x, p.perm, xp, false);
+  detail::permute_into(x, p.perm, xp);
   return xp;
 }
 
-// Runs body(dx_layout) where dx_layout is dx in the (O, R, I) layout, then folds it back into dx.
+// x's gradient: body(dx_layout, T{}) writes it whole in the (O, R, I) layout (into x's fresh
+// gradient, or a buffer permuted back into it), and the tape takes it.
 template <class F>
-void backward_in_layout(Tensor dx, const ReducePlan& p, F&& body) {
-  if (p.perm.empty()) { body(dx); return; }
-  Tensor dxp = zeros(p.permuted, dx.dtype());
-  body(dxp);
-  detail::permute_into(dxp, detail::inverse_perm(p.perm), dx, true);
+void backward_in_layout(Node& n, const ReducePlan& p, F&& body) {
+  Tensor dx = n.new_grad(0);
+  if (!dx.defined()) return;
+  Tensor dxp = p.perm.empty() ? dx : Tensor::empty(p.permuted, dx.dtype());
+  dispatch_float("backward", dx.dtype(), [&](auto z) { body(dxp, z); });
+  if (!p.perm.empty()) detail::permute_into(dxp, detail::inverse_perm(p.perm), dx);
+  n.pass_grad(0, std::move(dx));
 }
 
 void check_nonempty(const char* op, const Tensor& x, const ReducePlan& p) {
@@ -89,12 +92,10 @@ Tensor sum(const Tensor& x, const std::vector<int>& axes, bool keepdim) {
     sum_forward(reduce_layout(x, p).data<T>(), y.data<T>(), p.O, p.R, p.I, 1.0);
   });
   if (should_record({&x}))
-    record("sum", {&x}, {&y}, [p](Node& n) {  // adds dx += dy, broadcast over the reduced axes
-      backward_in_layout(n.add_grad(0).tensor(), p, [&](Tensor dx) {
-        dispatch_float("sum", dx.dtype(), [&](auto z) {
-          using T = decltype(z);
-          sum_backward(n.grad_out().data<T>(), dx.data<T>(), p.O, p.R, p.I, 1.0);
-        });
+    record("sum", {&x}, {&y}, [p](Node& n) {  // dx = dy, broadcast over the reduced axes
+      backward_in_layout(n, p, [&](Tensor& dx, auto z) {
+        using T = decltype(z);
+        sum_backward(n.grad_out().data<T>(), dx.data<T>(), p.O, p.R, p.I, 1.0);
       });
     });
   return y;
@@ -111,12 +112,10 @@ Tensor mean(const Tensor& x, const std::vector<int>& axes, bool keepdim) {
     sum_forward(reduce_layout(x, p).data<T>(), y.data<T>(), p.O, p.R, p.I, scale);
   });
   if (should_record({&x}))
-    record("mean", {&x}, {&y}, [p, scale](Node& n) {  // adds dx += dy / R
-      backward_in_layout(n.add_grad(0).tensor(), p, [&](Tensor dx) {
-        dispatch_float("mean", dx.dtype(), [&](auto z) {
-          using T = decltype(z);
-          sum_backward(n.grad_out().data<T>(), dx.data<T>(), p.O, p.R, p.I, scale);
-        });
+    record("mean", {&x}, {&y}, [p, scale](Node& n) {  // dx = dy / R
+      backward_in_layout(n, p, [&](Tensor& dx, auto z) {
+        using T = decltype(z);
+        sum_backward(n.grad_out().data<T>(), dx.data<T>(), p.O, p.R, p.I, scale);
       });
     });
   return y;
@@ -138,12 +137,10 @@ Tensor var(const Tensor& x, const std::vector<int>& axes, bool keepdim, int corr
   });
   if (should_record({&x})) {
     struct Saved { Tensor x, mean; };  // x in the (O, R, I) layout
-    record("var", {&x}, {&y}, Saved{xl, mu}, [p, correction](Node& n, const Saved& s) {  // adds dx
-      backward_in_layout(n.add_grad(0).tensor(), p, [&](Tensor dx) {
-        dispatch_float("var", dx.dtype(), [&](auto z) {
-          using T = decltype(z);
-          var_backward(s.x.data<T>(), s.mean.data<T>(), n.grad_out().data<T>(), dx.data<T>(), p.O, p.R, p.I, correction);
-        });
+    record("var", {&x}, {&y}, Saved{xl, mu}, [p, correction](Node& n, const Saved& s) {  // writes dx
+      backward_in_layout(n, p, [&](Tensor& dx, auto z) {
+        using T = decltype(z);
+        var_backward(s.x.data<T>(), s.mean.data<T>(), n.grad_out().data<T>(), dx.data<T>(), p.O, p.R, p.I, correction);
       });
     });
   }
@@ -162,12 +159,10 @@ Tensor max(const Tensor& x, const std::vector<int>& axes, bool keepdim) {
   });
   if (should_record({&x})) {
     struct Saved { Tensor x, y; };  // x in the (O, R, I) layout; y the maxima
-    record("max", {&x}, {&y}, Saved{xl, y.detach()}, [p](Node& n, const Saved& s) {  // adds dx where x == max
-      backward_in_layout(n.add_grad(0).tensor(), p, [&](Tensor dx) {
-        dispatch_float("max", dx.dtype(), [&](auto z) {
-          using T = decltype(z);
-          max_backward(s.x.data<T>(), s.y.data<T>(), n.grad_out().data<T>(), dx.data<T>(), p.O, p.R, p.I);
-        });
+    record("max", {&x}, {&y}, Saved{xl, y.detach()}, [p](Node& n, const Saved& s) {  // dx where x == max, else 0
+      backward_in_layout(n, p, [&](Tensor& dx, auto z) {
+        using T = decltype(z);
+        max_backward(s.x.data<T>(), s.y.data<T>(), n.grad_out().data<T>(), dx.data<T>(), p.O, p.R, p.I);
       });
     });
   }

@@ -12,13 +12,12 @@
 namespace tg {
 
 using namespace kernels;
-using detail::accumulate_flat;
 using detail::dispatch_all;
 using detail::dispatch_float;
 
 namespace detail {
 
-void permute_into(const Tensor& x, const std::vector<int>& perm, Tensor& y, bool accumulate) {
+void permute_into(const Tensor& x, const std::vector<int>& perm, Tensor& y) {
   const std::vector<std::int64_t> xs = strides_of(x.shape());
   std::int64_t st[8] = {}, ys[8] = {};
   for (std::size_t d = 0; d < perm.size(); ++d) {
@@ -26,49 +25,16 @@ void permute_into(const Tensor& x, const std::vector<int>& perm, Tensor& y, bool
     ys[d] = y.shape()[static_cast<int>(d)];
   }
   const int nd = static_cast<int>(perm.size());
-  if (accumulate) {
-    dispatch_float("permute", x.dtype(), [&](auto z) {
-      using T = decltype(z);
-      permute_copy<T, true>(x.data<T>(), y.data<T>(), nd, ys, st);
-    });
-  } else {
-    dispatch_all(x.dtype(), [&](auto z) {
-      using T = decltype(z);
-      permute_copy<T, false>(static_cast<const T*>(x.raw_data()), static_cast<T*>(y.raw_data()), nd, ys, st);
-    });
-  }
+  dispatch_all(x.dtype(), [&](auto z) {
+    using T = decltype(z);
+    permute_copy<T>(static_cast<const T*>(x.raw_data()), static_cast<T*>(y.raw_data()), nd, ys, st);
+  });
 }
 
 std::vector<int> inverse_perm(const std::vector<int>& perm) {
   std::vector<int> inv(perm.size());
   for (std::size_t d = 0; d < perm.size(); ++d) inv[static_cast<std::size_t>(perm[d])] = static_cast<int>(d);
   return inv;
-}
-
-void accumulate_flat(const Tensor& dy, GradDest dx) {
-  const std::int64_t n = dx.buf->numel();
-  if (dx.buf->dtype() == DType::bf16) {  // a gradient of a bfloat16 tensor (one that to() made)
-    const kernels::bf16* g = dy.data<kernels::bf16>();
-    kernels::bf16* d = dx.ptr<kernels::bf16>();
-    if (!dx.acc) {
-      if (n) std::memcpy(d, g, static_cast<std::size_t>(n) * sizeof(kernels::bf16));
-      return;
-    }
-    for (std::int64_t i = 0; i < n; ++i) d[i] = kernels::to_bf16(kernels::to_float(d[i]) + kernels::to_float(g[i]));
-    return;
-  }
-  dispatch_float("backward", dx.buf->dtype(), [&](auto z) {
-    using T = decltype(z);
-    const T* g = dy.data<T>();
-    T* d = dx.ptr<T>();
-    if (!dx.acc) {
-      if (n) std::memcpy(d, g, static_cast<std::size_t>(n) * sizeof(T));
-      return;
-    }
-    kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-      for (std::int64_t i = lo; i < hi; ++i) d[i] += g[i];
-    });
-  });
 }
 
 }  // namespace detail
@@ -108,7 +74,7 @@ Tensor reshape(const Tensor& x, const Shape& shape) {
   if (s.numel() != x.numel()) fail("reshape", "cannot reshape ", x.shape(), " (", x.numel(), " elements) into ", shape);
   Tensor y = x.alias(s);
   if (should_record({&x}))
-    record("reshape", {&x}, {&y}, [](Node& n) { accumulate_flat(n.grad_out(), n.write_grad(0)); });  // writes dx
+    record("reshape", {&x}, {&y}, [](Node& n) { n.pass_grad(0, Tensor(n.grad_out())); });  // dx = dy, x's shape
   return y;
 }
 
@@ -117,7 +83,7 @@ Tensor clone(const Tensor& x) {
   Tensor y = Tensor::empty(x.shape(), x.dtype());
   if (x.nbytes()) std::memcpy(y.raw_data(), x.raw_data(), x.nbytes());
   if (should_record({&x}))
-    record("clone", {&x}, {&y}, [](Node& n) { accumulate_flat(n.grad_out(), n.write_grad(0)); });  // writes dx
+    record("clone", {&x}, {&y}, [](Node& n) { n.pass_grad(0, Tensor(n.grad_out())); });  // dx = dy
   return y;
 }
 
@@ -137,11 +103,12 @@ Tensor permute(const Tensor& x, const std::vector<int>& dims) {
     out.push_back(x.shape()[k]);
   }
   Tensor y = Tensor::empty(out, x.dtype());
-  detail::permute_into(x, perm, y, false);
+  detail::permute_into(x, perm, y);
   if (should_record({&x}))
-    record("permute", {&x}, {&y}, [inv = detail::inverse_perm(perm)](Node& n) {  // adds dx
-      Tensor dx = n.add_grad(0).tensor();
-      detail::permute_into(n.grad_out(), inv, dx, true);
+    record("permute", {&x}, {&y}, [inv = detail::inverse_perm(perm)](Node& n) {  // dx = dy permuted back
+      Tensor dx = n.new_grad(0);
+      detail::permute_into(n.grad_out(), inv, dx);
+      n.pass_grad(0, std::move(dx));
     });
   return y;
 }
@@ -163,6 +130,25 @@ void around(const Shape& s, int dim, std::int64_t& outer, std::int64_t& inner) {
   for (int d = 0; d < dim; ++d) outer *= s[d];
   for (int d = dim + 1; d < s.ndim(); ++d) inner *= s[d];
 }
+// cat's backward: each input's gradient is its piece of dy, dx[o, j, i] = dy[o, off + j, i] (the
+// forward's copy, read the other way), written into a fresh buffer.
+void cat_backward(Node& n, const std::vector<std::int64_t>& offsets, std::int64_t outer, std::int64_t inner, int d,
+                  std::int64_t total) {
+  for (std::size_t i = 0; i < n.inputs().size(); ++i) {
+    Tensor dx = n.new_grad(i);
+    if (!dx.defined()) continue;
+    const std::size_t item = itemsize(dx.dtype());
+    const std::size_t row = static_cast<std::size_t>(n.input_shape(i)[d] * inner) * item;
+    const char* g = static_cast<const char*>(n.grad_out().raw_data());
+    char* dp = static_cast<char*>(dx.raw_data());
+    for (std::int64_t o = 0; o < outer; ++o)
+      if (row)
+        std::memcpy(dp + static_cast<std::size_t>(o) * row,
+                    g + static_cast<std::size_t>((o * total + offsets[i]) * inner) * item, row);
+    n.pass_grad(i, std::move(dx));
+  }
+}
+
 }  // namespace
 
 Tensor slice(const Tensor& x, int dim, std::int64_t start, std::int64_t end, std::int64_t step) {
@@ -184,12 +170,13 @@ Tensor slice(const Tensor& x, int dim, std::int64_t start, std::int64_t end, std
     slice_forward(static_cast<const T*>(x.raw_data()), static_cast<T*>(y.raw_data()), outer, n, inner, s0, step, count);
   });
   if (should_record({&x}))
-    record("slice", {&x}, {&y}, [=](Node& nd) {  // adds dx (zero outside the slice)
-      Tensor dx = nd.add_grad(0).tensor();
+    record("slice", {&x}, {&y}, [=](Node& nd) {  // dx = dy inside the slice, zero outside it
+      Tensor dx = nd.new_grad(0);
       dispatch_float("slice", dx.dtype(), [&](auto z) {
         using T = decltype(z);
         slice_backward(nd.grad_out().data<T>(), dx.data<T>(), outer, n, inner, s0, step, count);
       });
+      nd.pass_grad(0, std::move(dx));
     });
   return y;
 }
@@ -232,23 +219,8 @@ Tensor cat(const std::vector<Tensor>& xs, int dim) {
     rec = rec || t.requires_grad();
   }
   if (rec && grad_enabled())
-    record("cat", ins, {&y}, [offsets, outer, inner, d, total = out[d]](Node& n) {  // adds each dx
-      for (std::size_t i = 0; i < n.inputs().size(); ++i) {
-        Tensor dx = n.add_grad(i).tensor();
-        if (!dx.defined()) continue;
-        const std::int64_t nt = n.input_shape(i)[d];
-        dispatch_float("cat", dx.dtype(), [&](auto z) {
-          using T = decltype(z);
-          // dx[o, j, i] += dy[o, off + j, i]: the forward slice kernel, accumulating.
-          const T* g = n.grad_out().data<T>();
-          T* dp = dx.data<T>();
-          for (std::int64_t o = 0; o < outer; ++o) {
-            const T* src = g + (o * total + offsets[i]) * inner;
-            T* dst = dp + o * nt * inner;
-            for (std::int64_t k = 0; k < nt * inner; ++k) dst[k] += src[k];
-          }
-        });
-      }
+    record("cat", ins, {&y}, [offsets = std::move(offsets), outer, inner, d, total = out[d]](Node& n) {
+      cat_backward(n, offsets, outer, inner, d, total);
     });
   return y;
 }
@@ -339,9 +311,8 @@ Tensor to(const Tensor& x, DType dtype) {
   // Differentiable to every dtype but int32, as in PyTorch: the gradient comes back converted to
   // x's dtype (through bfloat16 it is rounded to bfloat16 on the way, as y's gradient is bfloat16).
   if (dtype != DType::i32 && should_record({&x}))
-    record("to", {&x}, {&y}, [](Node& nd) {  // writes dx, converted back to x's dtype
-      GradDest dx = nd.write_grad(0);
-      accumulate_flat(to(nd.grad_out().detach(), dx.buf->dtype()), dx);
+    record("to", {&x}, {&y}, [from = x.dtype()](Node& nd) {  // dx = dy converted back to x's dtype
+      nd.pass_grad(0, to(nd.grad_out().detach(), from));
     });
   return y;
 }
