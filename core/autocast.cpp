@@ -1,4 +1,5 @@
-// The autocast scope: its switch and the cache of parameters cast to bfloat16.
+// The autocast scope: its switch, the cache of parameters cast to bfloat16, and the products'
+// operands (ops/product.h), the one place where an op's products learn their precision.
 #include "tapegrad/autocast.h"
 
 #include <unordered_map>
@@ -6,6 +7,7 @@
 #include "autocast_cache.h"
 #include "kernels/bf16.h"
 #include "kernels/parallel.h"
+#include "ops/product.h"
 #include "tapegrad/node.h"
 
 namespace tg {
@@ -53,6 +55,12 @@ Tensor autocast_bf16(const Tensor& w) {
 }
 
 std::size_t autocast_cache_size() { return t_cache.entries.size(); }
+
+// ---- the products' operands (ops/product.h) ----
+
+bool products_in_bf16(DType d) { return t_autocast && d == DType::f32; }
+Tensor weight_bf16(const Tensor& w) { return autocast_bf16(w); }
+Tensor activation_bf16(const Tensor& x) { return to_bf16(x); }
 
 struct AutocastCacheScope::Saved {
   std::unordered_map<const void*, CastCache::Entry> entries;

@@ -1,27 +1,28 @@
-// matmul: C = op(A) op(B) over broadcast batch dims, every product a BLAS gemm; and linear
-// (x w^T + b, PyTorch's F.linear) at the end of the file.
+// matmul: C = op(A) op(B) over broadcast batch dims, every product a gemm; and linear (x w^T + b,
+// PyTorch's F.linear) at the end of the file. The products' precision (float32, float64, or bf16
+// operands inside an autocast scope) is ops/product.h's business: an op asks it once.
 //
 // Backward, with dC the upstream gradient (per batch):
 //   d op(A) = dC op(B)^T,   d op(B) = op(A)^T dC,
 // and when A itself is stored transposed (trans_a) the gradient of the stored matrix is the
 // transpose of d op(A) — which gemm computes directly by swapping operands and flags, so no
-// transposed copy is ever made. A fresh gradient is written with beta = 0; beta = 1 adds into one
-// that holds another path's part, and sums the contributions of broadcast batch entries.
+// transposed copy is ever made. Each gradient is written into a fresh buffer with beta = 0 and
+// handed to the tape; beta = 1 sums the contributions of broadcast batch entries that share one
+// matrix of the gradient (into a buffer zero-filled first).
 #include <algorithm>
+#include <cstring>
 
-#include "autocast_cache.h"
 #include "dispatch.h"
-#include "kernels/gemm.h"
-#include "kernels/sgemm_bf16.h"
 #include "kernels/parallel.h"
 #include "kernels/reduce.h"
+#include "ops/internal.h"
+#include "ops/product.h"
 #include "tapegrad/autograd.h"
 #include "tapegrad/ops.h"
 
 namespace tg {
 
 using detail::dispatch_float;
-using kernels::gemm;
 
 namespace {
 
@@ -32,17 +33,14 @@ struct MatmulPlan {
   // for output batch index i: offsets (in matrices) of a's and b's matrix
   std::vector<std::int64_t> ia, ib;
   bool fold = false;       // b is one 2-D matrix and a is not transposed: one gemm over all rows
-  bool bf16 = false;       // float32 inside an autocast scope: bf16 operands, float32 sums
+  bool bf16 = false;       // bf16 operands, float32 sums (detail::products_in_bf16)
 };
 
-// One product, as kernels::gemm: inside an autocast scope (bf16) with the float32 operands
-// rounded to bfloat16 while they are packed and the sums in float32 (kernels/sgemm_bf16.h).
+// C = op(A) op(B) + beta C, in bf16 when the op's products are (detail::run).
 template <class T>
-void product(bool bf16, bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A,
+void product(bool bf16, bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, const T* A,
              std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc) {
-  if constexpr (std::is_same_v<T, float>)
-    if (bf16) return kernels::gemm_bf16(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-  gemm<T>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  detail::run(detail::Product<T>{ta, tb, M, N, K, detail::operand(A, lda), detail::operand(B, ldb), beta, C, ldc, bf16});
 }
 
 MatmulPlan plan_matmul(const Tensor& a, const Tensor& b, bool ta, bool tb, Shape& out) {
@@ -123,58 +121,67 @@ void matmul_forward(const MatmulPlan& p, const MatmulGeom& g, const T* A, const 
     return;
   }
   if (p.fold) {
-    product<T>(p.bf16, false, p.tb, p.batch * p.M, p.N, p.K, T(1), A, g.lda, B, g.ldb, T(0), C, p.N);
+    product<T>(p.bf16, false, p.tb, p.batch * p.M, p.N, p.K, A, g.lda, B, g.ldb, T(0), C, p.N);
     return;
   }
   for_batch(p.batch, p.M * p.N * p.K, true, [&](std::int64_t i) {
-    product<T>(p.bf16, p.ta, p.tb, p.M, p.N, p.K, T(1), A + p.ia[i] * g.sa, g.lda, B + p.ib[i] * g.sb, g.ldb, T(0), C + i * g.sc, p.N);
+    product<T>(p.bf16, p.ta, p.tb, p.M, p.N, p.K, A + p.ia[i] * g.sa, g.lda, B + p.ib[i] * g.sb, g.ldb, T(0), C + i * g.sc, p.N);
   });
 }
 
-// dA (+)= dC op(B)^T (or op(B) dC^T when A is transposed) and dB (+)= op(A)^T dC (or dC^T op(A)),
-// per batch entry. A gradient buffer whose every element one gemm writes takes beta = 0 when
-// fresh; where broadcast batch entries share a destination, the gemms add (zero-filled, beta = 1).
+// A fresh gradient for input i that the product writes with beta: zero-filled first when the
+// gemms add into it (beta = 1: broadcast batch entries that share a matrix).
+Tensor product_grad(Node& n, std::size_t i, bool whole) {
+  Tensor d = n.new_grad(i);
+  if (d.defined() && !whole && d.nbytes()) std::memset(d.raw_data(), 0, d.nbytes());
+  return d;
+}
+
+// dA = dC op(B)^T (or op(B) dC^T when A is transposed) and dB = op(A)^T dC (or dC^T op(A)), per
+// batch entry, each into a fresh buffer: beta = 0 where one gemm writes a whole matrix, beta = 1
+// where broadcast batch entries share one.
 template <class T>
 void matmul_backward(Node& n, const MatmulSaved& s, const MatmulPlan& p, const MatmulGeom& g) {
   const bool whole_a = p.fold || is_distinct(p.ia), whole_b = p.fold || is_distinct(p.ib);
-  GradDest dA = whole_a ? n.write_grad(0) : n.add_grad(0);
-  GradDest dB = whole_b ? n.write_grad(1) : n.add_grad(1);
+  Tensor dA = product_grad(n, 0, whole_a), dB = product_grad(n, 1, whole_b);
   const T* A = s.a.data<T>();
   const T* B = s.b.data<T>();
   const T* G = n.grad_out().data<T>();
   const bool ta = p.ta, tb = p.tb;
-  const T beta_a = dA.acc ? T(1) : T(0), beta_b = dB.acc ? T(1) : T(0);
+  const T beta_a = whole_a ? T(0) : T(1), beta_b = whole_b ? T(0) : T(1);
   if (p.fold) {
     const std::int64_t BM = p.batch * p.M;
-    // dA (BM, K) (+)= dC (BM, N) op(B)^T
-    if (dA.defined()) product<T>(p.bf16, false, !tb, BM, p.K, p.N, T(1), G, p.N, B, g.ldb, beta_a, dA.ptr<T>(), g.lda);
-    // dB (+)= A^T dC  (B stored (K, N)),  or  dC^T A  (B stored (N, K))
+    // dA (BM, K) = dC (BM, N) op(B)^T
+    if (dA.defined()) product<T>(p.bf16, false, !tb, BM, p.K, p.N, G, p.N, B, g.ldb, T(0), dA.data<T>(), g.lda);
+    // dB = A^T dC  (B stored (K, N)),  or  dC^T A  (B stored (N, K))
     if (dB.defined()) {
-      if (!tb) product<T>(p.bf16, true, false, p.K, p.N, BM, T(1), A, g.lda, G, p.N, beta_b, dB.ptr<T>(), g.ldb);
-      else product<T>(p.bf16, true, false, p.N, p.K, BM, T(1), G, p.N, A, g.lda, beta_b, dB.ptr<T>(), g.ldb);
+      if (!tb) product<T>(p.bf16, true, false, p.K, p.N, BM, A, g.lda, G, p.N, T(0), dB.data<T>(), g.ldb);
+      else product<T>(p.bf16, true, false, p.N, p.K, BM, G, p.N, A, g.lda, T(0), dB.data<T>(), g.ldb);
     }
-    return;
+  } else {
+    if (dA.defined()) {
+      T* D = dA.data<T>();
+      for_batch(p.batch, p.M * p.N * p.K, whole_a, [&](std::int64_t i) {
+        const T* Bi = B + p.ib[i] * g.sb;
+        const T* Gi = G + i * g.sc;
+        T* Di = D + p.ia[i] * g.sa;
+        if (!ta) product<T>(p.bf16, false, !tb, p.M, p.K, p.N, Gi, p.N, Bi, g.ldb, beta_a, Di, g.lda);  // dC op(B)^T
+        else product<T>(p.bf16, tb, true, p.K, p.M, p.N, Bi, g.ldb, Gi, p.N, beta_a, Di, g.lda);        // op(B) dC^T
+      });
+    }
+    if (dB.defined()) {
+      T* D = dB.data<T>();
+      for_batch(p.batch, p.M * p.N * p.K, whole_b, [&](std::int64_t i) {
+        const T* Ai = A + p.ia[i] * g.sa;
+        const T* Gi = G + i * g.sc;
+        T* Di = D + p.ib[i] * g.sb;
+        if (!tb) product<T>(p.bf16, !ta, false, p.K, p.N, p.M, Ai, g.lda, Gi, p.N, beta_b, Di, g.ldb);  // op(A)^T dC
+        else product<T>(p.bf16, true, ta, p.N, p.K, p.M, Gi, p.N, Ai, g.lda, beta_b, Di, g.ldb);        // dC^T op(A)
+      });
+    }
   }
-  if (dA.defined()) {
-    T* D = dA.ptr<T>();
-    for_batch(p.batch, p.M * p.N * p.K, is_distinct(p.ia), [&](std::int64_t i) {
-      const T* Bi = B + p.ib[i] * g.sb;
-      const T* Gi = G + i * g.sc;
-      T* Di = D + p.ia[i] * g.sa;
-      if (!ta) product<T>(p.bf16, false, !tb, p.M, p.K, p.N, T(1), Gi, p.N, Bi, g.ldb, beta_a, Di, g.lda);  // dC op(B)^T
-      else product<T>(p.bf16, tb, true, p.K, p.M, p.N, T(1), Bi, g.ldb, Gi, p.N, beta_a, Di, g.lda);        // op(B) dC^T
-    });
-  }
-  if (dB.defined()) {
-    T* D = dB.ptr<T>();
-    for_batch(p.batch, p.M * p.N * p.K, is_distinct(p.ib), [&](std::int64_t i) {
-      const T* Ai = A + p.ia[i] * g.sa;
-      const T* Gi = G + i * g.sc;
-      T* Di = D + p.ib[i] * g.sb;
-      if (!tb) product<T>(p.bf16, !ta, false, p.K, p.N, p.M, T(1), Ai, g.lda, Gi, p.N, beta_b, Di, g.ldb);  // op(A)^T dC
-      else product<T>(p.bf16, true, ta, p.N, p.K, p.M, T(1), Gi, p.N, Ai, g.lda, beta_b, Di, g.ldb);        // dC^T op(A)
-    });
-  }
+  n.pass_grad(0, std::move(dA));
+  n.pass_grad(1, std::move(dB));
 }
 
 }  // namespace
@@ -185,7 +192,7 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   detail::check_same_dtype("matmul", a, b);
   Shape out;
   MatmulPlan p = plan_matmul(a, b, ta, tb, out);
-  p.bf16 = detail::t_autocast && a.dtype() == DType::f32;
+  p.bf16 = detail::products_in_bf16(a.dtype());
   Tensor y = Tensor::empty(out, a.dtype());
   const std::int64_t lda = a.size(-1), ldb = b.size(-1);
   const MatmulGeom g{lda, ldb, a.size(-2) * lda, b.size(-2) * ldb, p.M * p.N};
@@ -195,10 +202,10 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   });
   if (should_record({&a, &b})) {
     record("matmul", {&a, &b}, {&y}, MatmulSaved{a.detach(), b.detach()},
-           [p, g](Node& n, const MatmulSaved& s) {  // writes dA and dB (adds where batch entries share one)
+           [p, g](Node& n, const MatmulSaved& s) {
              if (p.batch * p.M * p.N * p.K == 0) {  // empty products: the gradients are zeros (or empty)
-               n.add_grad(0);
-               n.add_grad(1);
+               detail::pass_zeros(n, 0);
+               detail::pass_zeros(n, 1);
                return;
              }
              dispatch_float("matmul", s.a.dtype(), [&](auto z) { matmul_backward<decltype(z)>(n, s, p, g); });
@@ -209,66 +216,77 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
 
 namespace {
 
-// linear's backward: dx (rows, in) (+)= dy w;  dw (out, in) (+)= dy^T x;  db (+)= column sums of
-// dy. dx and dw take the same number of multiply-adds and are computed side by side
-// (kernels::gemm_pair) unless x and w are one tensor, whose gradient the two then write in turn.
-// Recorded inside an autocast scope, the two products are bf16 ones, with the weight's bf16 copy
-// and the input's: x_bf16 is then defined and x is not.
+// linear's backward: dx (rows, in) = dy w;  dw (out, in) = dy^T x;  db = column sums of dy, each
+// into a fresh buffer. dx and dw take the same number of multiply-adds and are computed side by
+// side (detail::run_pair). In bf16 the node keeps the weight's bf16 copy in w_bf16, and x_bf16,
+// the input's, when dw is wanted: x is then undefined.
 struct LinearSaved { Tensor x, w, w_bf16, x_bf16; };
-const kernels::bf16* bf16_data(const Tensor& t) { return static_cast<const kernels::bf16*>(t.raw_data()); }  // w_bf16: undefined outside an autocast scope
-// linear's input as a bf16 product reads it: its bf16 copy when there is one, else x itself
-// (float32, rounded the same way while the product packs it).
-kernels::Bf16Operand input_operand(const Tensor& x, const Tensor& x_bf16, std::int64_t in) {
-  return x_bf16.defined() ? kernels::Bf16Operand(bf16_data(x_bf16), in) : kernels::Bf16Operand(x.data<float>(), in);
-}
+
 template <class T>
-void linear_backward_products(const LinearSaved& s, GradDest& dx, GradDest& dw, const T* G, std::int64_t rows,
+void linear_backward_products(Node& n, const LinearSaved& s, bool bf16, const T* G, std::int64_t rows,
                               std::int64_t in, std::int64_t out) {
-  const bool pair = dx.defined() && dw.defined() && dx.buf != dw.buf;
-  if constexpr (std::is_same_v<T, float>) {
-    if (s.w_bf16.defined()) {
-      using kernels::Bf16Operand;
-      const kernels::bf16* wh = bf16_data(s.w_bf16);
-      const kernels::GemmBf16 px{false, false, rows, in, out, 1.0f, Bf16Operand(G, out), Bf16Operand(wh, in),
-                                 dx.acc ? 1.0f : 0.0f, dx.ptr<float>(), in};
-      const kernels::GemmBf16 pw{true, false, out, in, rows, 1.0f, Bf16Operand(G, out), input_operand(s.x, s.x_bf16, in),
-                                 dw.acc ? 1.0f : 0.0f, dw.ptr<float>(), in};
-      if (pair) kernels::gemm_bf16_pair(px, pw);
-      else {
-        if (dx.defined()) kernels::gemm_bf16(px);
-        if (dw.defined()) kernels::gemm_bf16(pw);
-      }
-      return;
-    }
-  }
-  const kernels::Gemm<T> px{false, false, rows, in, out, T(1), G, out, s.w.data<T>(), in, dx.acc ? T(1) : T(0),
-                            dx.ptr<T>(), in};
-  const kernels::Gemm<T> pw{true, false, out, in, rows, T(1), G, out, s.x.data<T>(), in, dw.acc ? T(1) : T(0),
-                            dw.ptr<T>(), in};
-  if (pair) kernels::gemm_pair(px, pw);
-  else {
-    if (dx.defined()) kernels::gemm(px);
-    if (dw.defined()) kernels::gemm(pw);
-  }
+  Tensor dx = n.new_grad(0), dw = n.new_grad(1);
+  const Tensor& w = bf16 ? s.w_bf16 : s.w;
+  const Tensor& x = s.x_bf16.defined() ? s.x_bf16 : s.x;
+  using detail::operand;
+  const detail::Product<T> px{false, false, rows, in, out, operand(G, out), operand<T>(w, in),
+                              T(0), detail::grad_ptr<T>(dx), in, bf16};
+  detail::Product<T> pw{true, false, out, in, rows, operand(G, out), {}, T(0), detail::grad_ptr<T>(dw), in, bf16};
+  if (dw.defined()) pw.B = operand<T>(x, in);
+  if (dx.defined() && dw.defined()) detail::run_pair(px, pw);
+  else if (dx.defined()) detail::run(px);
+  else if (dw.defined()) detail::run(pw);
+  n.pass_grad(0, std::move(dx));
+  n.pass_grad(1, std::move(dw));
 }
 
 template <class T>
-void linear_backward(Node& n, const LinearSaved& s, std::int64_t rows, std::int64_t in, std::int64_t out) {
+void linear_backward(Node& n, const LinearSaved& s, bool bf16, std::int64_t rows, std::int64_t in, std::int64_t out) {
   const T* G = n.grad_out().data<T>();
   if (rows * out * in == 0) {  // empty products: zero (or empty) gradients for x and w
-    n.add_grad(0);
-    n.add_grad(1);
+    detail::pass_zeros(n, 0);
+    detail::pass_zeros(n, 1);
   } else {
-    GradDest dx = n.write_grad(0), dw = n.write_grad(1);
-    linear_backward_products<T>(s, dx, dw, G, rows, in, out);
+    linear_backward_products<T>(n, s, bf16, G, rows, in, out);
   }
-  if (GradDest db = n.write_grad(2); db.defined()) {
-    if (!db.acc) kernels::sum_forward(G, db.ptr<T>(), 1, rows, out, 1.0);
-    else {
-      std::vector<T> col(static_cast<std::size_t>(out));
-      kernels::sum_forward(G, col.data(), 1, rows, out, 1.0);
-      for (std::int64_t j = 0; j < out; ++j) db.ptr<T>()[j] += col[static_cast<std::size_t>(j)];
-    }
+  Tensor db = n.new_grad(2);
+  if (db.defined()) kernels::sum_forward(G, db.data<T>(), 1, rows, out, 1.0);
+  n.pass_grad(2, std::move(db));
+}
+
+// y (rows, out) = x w^T + b: the bias rows are written into y first, and the product adds to them
+// (beta = 1).
+template <class T>
+void linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& w_bf16, const Tensor& x_bf16,
+                    Tensor& y, std::int64_t rows, std::int64_t in, std::int64_t out) {
+  T* Y = y.data<T>();
+  if (rows * out == 0) return;
+  if (b.defined()) {
+    const T* bias = b.data<T>();
+    kernels::parallel_for(rows, rows * out, [&](std::int64_t lo, std::int64_t hi) {
+      for (std::int64_t r = lo; r < hi; ++r) std::copy(bias, bias + out, Y + r * out);
+    });
+  }
+  if (in == 0) {
+    if (!b.defined()) std::fill(Y, Y + rows * out, T(0));  // an empty sum
+    return;
+  }
+  const bool bf16 = w_bf16.defined();
+  const Tensor& xs = x_bf16.defined() ? x_bf16 : x;
+  detail::run(detail::Product<T>{false, true, rows, out, in, detail::operand<T>(xs, in),
+                                 detail::operand<T>(bf16 ? w_bf16 : w, in), b.defined() ? T(1) : T(0), Y, out, bf16});
+}
+
+void check_linear(const char* op, const Tensor& x, const Tensor& w, const Tensor& b) {
+  if (!x.defined() || !w.defined()) fail(op, "needs an input and a weight");
+  detail::check_float(op, x);
+  detail::check_float(op, w);
+  detail::check_same_dtype(op, x, w);
+  if (w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1))
+    fail(op, "expects input (..., in) and weight (out, in), got ", x.shape(), " and ", w.shape());
+  if (b.defined()) {
+    detail::check_same_dtype(op, x, b);
+    if (b.dim() != 1 || b.size(0) != w.size(0)) fail(op, "expects bias (", w.size(0), ",), got ", b.shape());
   }
 }
 
@@ -281,56 +299,28 @@ void linear_backward(Node& n, const LinearSaved& s, std::int64_t rows, std::int6
 //   dx = dy w,  dw = dy^T x,  db = sum over rows of dy.
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   const char* op = "linear";
-  if (!x.defined() || !w.defined()) fail(op, "needs an input and a weight");
-  detail::check_float(op, x);
-  detail::check_float(op, w);
-  detail::check_same_dtype(op, x, w);
-  if (w.dim() != 2 || x.dim() < 1 || x.size(-1) != w.size(1))
-    fail(op, "expects input (..., in) and weight (out, in), got ", x.shape(), " and ", w.shape());
-  if (b.defined()) {
-    detail::check_same_dtype(op, x, b);
-    if (b.dim() != 1 || b.size(0) != w.size(0)) fail(op, "expects bias (", w.size(0), ",), got ", b.shape());
-  }
+  check_linear(op, x, w, b);
   Shape yshape = x.shape();
   yshape[yshape.ndim() - 1] = w.size(0);
   const std::int64_t in = w.size(1), out = w.size(0);
   std::int64_t rows = 1;  // the product of x's leading dims
   for (int d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   Tensor y = Tensor::empty(yshape, x.dtype());
-  // Inside an autocast scope a float32 weight is used as its bf16 copy (cast once per scope). When
-  // the op is recorded and w needs a gradient (the backward's dw = dy^T x reads x), x is rounded
-  // to bf16 once, before the product, and the node keeps that copy instead of x: half the bytes
-  // kept from the forward to the backward, and the same bits (the product rounds a float32
-  // operand the same way while it packs it).
-  const Tensor w_bf16 = detail::t_autocast && x.dtype() == DType::f32 && in > 0 ? detail::autocast_bf16(w) : Tensor();
+  // In bf16 the weight is used as its bf16 copy (cast once per scope). When the op is recorded and
+  // w needs a gradient (the backward's dw = dy^T x reads x), x is rounded to bf16 once, before the
+  // product, and the node keeps that copy instead of x: half the bytes kept from the forward to the
+  // backward, and the same bits (the product rounds a float32 operand the same way while it packs
+  // it).
+  const bool bf16 = detail::products_in_bf16(x.dtype()) && in > 0;
+  const Tensor w_bf16 = bf16 ? detail::weight_bf16(w) : Tensor();
   const bool recording = should_record({&x, &w, &b});
-  const bool keep_x_bf16 = w_bf16.defined() && recording && w.requires_grad() && rows * out > 0;
-  const Tensor x_bf16 = keep_x_bf16 ? detail::to_bf16(x) : Tensor();
-  dispatch_float(op, x.dtype(), [&](auto z) {
-    using T = decltype(z);
-    T* Y = y.data<T>();
-    if (rows * out == 0) return;
-    if (b.defined()) {
-      const T* bias = b.data<T>();
-      kernels::parallel_for(rows, rows * out, [&](std::int64_t lo, std::int64_t hi) {
-        for (std::int64_t r = lo; r < hi; ++r) std::copy(bias, bias + out, Y + r * out);
-      });
-    }
-    const T beta = b.defined() ? T(1) : T(0);
-    if (in == 0) {
-      if (!b.defined()) std::fill(Y, Y + rows * out, T(0));  // an empty sum
-      return;
-    }
-    if constexpr (std::is_same_v<T, float>)
-      if (w_bf16.defined())
-        return kernels::gemm_bf16(kernels::GemmBf16{false, true, rows, out, in, 1.0f, input_operand(x, x_bf16, in),
-                                                    kernels::Bf16Operand(bf16_data(w_bf16), in), beta, Y, out});
-    gemm<T>(false, true, rows, out, in, T(1), x.data<T>(), in, w.data<T>(), in, beta, Y, out);
-  });
+  const Tensor x_bf16 = bf16 && recording && w.requires_grad() && rows * out > 0 ? detail::activation_bf16(x) : Tensor();
+  dispatch_float(op, x.dtype(), [&](auto z) { linear_forward<decltype(z)>(x, w, b, w_bf16, x_bf16, y, rows, in, out); });
   if (recording) {
     record(op, {&x, &w, &b}, {&y}, LinearSaved{x_bf16.defined() ? Tensor() : x.detach(), w.detach(), w_bf16, x_bf16},
-           [rows, in, out](Node& n, const LinearSaved& s) {  // writes dx, dw and db
-             dispatch_float("linear", s.w.dtype(), [&](auto z) { linear_backward<decltype(z)>(n, s, rows, in, out); });
+           [bf16, rows, in, out](Node& n, const LinearSaved& s) {
+             dispatch_float("linear", s.w.dtype(),
+                            [&](auto z) { linear_backward<decltype(z)>(n, s, bf16, rows, in, out); });
            });
   }
   return y;

@@ -35,13 +35,14 @@ Tensor softmax_impl(const char* op, const Tensor& x, int axis) {
     else softmax_forward(x.data<T>(), y.data<T>(), rows, C);
   });
   if (should_record({&x})) {
-    record(op, {&x}, {&y}, SoftmaxSaved{y.detach()}, [rows, C](Node& n, const SoftmaxSaved& s) {  // writes dx
-      GradDest dx = n.write_grad(0);
+    record(op, {&x}, {&y}, SoftmaxSaved{y.detach()}, [rows, C](Node& n, const SoftmaxSaved& s) {
+      Tensor dx = n.new_grad(0);
       dispatch_float("softmax", s.y.dtype(), [&](auto z) {
         using T = decltype(z);
-        if constexpr (Log) log_softmax_backward(s.y.data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, C, dx.acc);
-        else softmax_backward(s.y.data<T>(), n.grad_out().data<T>(), dx.ptr<T>(), rows, C, dx.acc);
+        if constexpr (Log) log_softmax_backward(s.y.data<T>(), n.grad_out().data<T>(), dx.data<T>(), rows, C);
+        else softmax_backward(s.y.data<T>(), n.grad_out().data<T>(), dx.data<T>(), rows, C);
       });
+      n.pass_grad(0, std::move(dx));
     });
   }
   return y;
@@ -90,20 +91,20 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
   });
   if (should_record({&x})) {
     struct Saved { Tensor mask; };  // int32, x's shape: dx = mask ? 0 : dy
-    record("masked_fill", {&x}, {&y}, Saved{m}, [n](Node& nd, const Saved& s) {  // writes dx
-      GradDest dx = nd.write_grad(0);
+    record("masked_fill", {&x}, {&y}, Saved{m}, [n](Node& nd, const Saved& s) {
+      const Tensor& dy = nd.grad_out();  // read before new_grad, which may hand out dy's own buffer
+      Tensor dx = nd.new_grad(0);
       const std::int32_t* mk = s.mask.data<std::int32_t>();
-      dispatch_float("masked_fill", dx.buf->dtype(), [&](auto z) {
+      dispatch_float("masked_fill", dx.dtype(), [&](auto z) {
         using T = decltype(z);
-        const T* g = nd.grad_out().data<T>();
-        T* d = dx.ptr<T>();
-        kernels::with_acc(dx.acc, [&](auto A) {
-          kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-            for (std::int64_t i = lo; i < hi; ++i) kernels::put<decltype(A)>(d[i], mk[i] ? T(0) : g[i]);
-          });
+        const T* g = dy.data<T>();
+        T* d = dx.data<T>();
+        kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+          for (std::int64_t i = lo; i < hi; ++i) d[i] = mk[i] ? T(0) : g[i];
         });
       });
-    });
+      nd.pass_grad(0, std::move(dx));
+    }).may_overwrite_grad_out();  // dx[i] is written after dy[i] is read
   }
   return y;
 }
@@ -136,12 +137,13 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
   });
   if (should_record({&weight})) {
     struct Saved { Tensor ids; };
-    record("embedding", {&weight, &ids}, {&y}, Saved{ids.detach()}, [rows, C](Node& n, const Saved& s) {
-      GradDest dw = n.add_grad(0);  // adds: dw[ids[r]] += dy[r], rows may repeat an id
-      dispatch_float("embedding", dw.buf->dtype(), [&](auto z) {
+    record("embedding", {&weight, &ids}, {&y}, Saved{ids.detach()}, [rows, V, C](Node& n, const Saved& s) {
+      Tensor dw = n.new_grad(0);  // dw[v] = the sum of dy[r] over the rows r whose id is v
+      dispatch_float("embedding", dw.dtype(), [&](auto z) {
         using T = decltype(z);
-        embedding_backward(n.grad_out().data<T>(), s.ids.data<std::int32_t>(), dw.ptr<T>(), rows, C);
+        embedding_backward(n.grad_out().data<T>(), s.ids.data<std::int32_t>(), dw.data<T>(), rows, V, C);
       });
+      n.pass_grad(0, std::move(dw));
     });
   }
   return y;
@@ -176,14 +178,15 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, std::int64_t i
   if (should_record({&logits})) {
     struct Saved { Tensor logits, targets, lse; };  // lse: each row's log-sum-exp
     record(op, {&logits, &targets}, {&y}, Saved{logits.detach(), targets.detach(), lse},
-           [rows, V, count, ignore_index](Node& n, const Saved& s) {  // writes dlogits
-             GradDest dx = n.write_grad(0);
-             dispatch_float("cross_entropy", dx.buf->dtype(), [&](auto z) {
+           [rows, V, count, ignore_index](Node& n, const Saved& s) {
+             Tensor dx = n.new_grad(0);
+             dispatch_float("cross_entropy", dx.dtype(), [&](auto z) {
                using T = decltype(z);
                const T scale = n.grad_out().data<T>()[0] / static_cast<T>(count);
                cross_entropy_backward(s.logits.data<T>(), s.targets.data<std::int32_t>(), s.lse.data<T>(), scale,
-                                      dx.ptr<T>(), rows, V, ignore_index, dx.acc);
+                                      dx.data<T>(), rows, V, ignore_index);
              });
+             n.pass_grad(0, std::move(dx));
            });
   }
   return y;
@@ -213,20 +216,20 @@ Tensor dropout(const Tensor& x, double p, bool train) {
   });
   if (should_record({&x})) {
     struct Saved { Tensor mask; };  // 0 or 1 / (1 - p) per element: dx = dy * mask
-    record("dropout", {&x}, {&y}, Saved{mask}, [n](Node& nd, const Saved& s) {  // writes dx
-      GradDest dx = nd.write_grad(0);
-      dispatch_float("dropout", dx.buf->dtype(), [&](auto z) {
+    record("dropout", {&x}, {&y}, Saved{mask}, [n](Node& nd, const Saved& s) {
+      const Tensor& dy = nd.grad_out();  // read before new_grad, which may hand out dy's own buffer
+      Tensor dx = nd.new_grad(0);
+      dispatch_float("dropout", dx.dtype(), [&](auto z) {
         using T = decltype(z);
         const T* m = s.mask.data<T>();
-        const T* g = nd.grad_out().data<T>();
-        T* d = dx.ptr<T>();
-        kernels::with_acc(dx.acc, [&](auto A) {
-          kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-            for (std::int64_t i = lo; i < hi; ++i) kernels::put<decltype(A)>(d[i], g[i] * m[i]);
-          });
+        const T* g = dy.data<T>();
+        T* d = dx.data<T>();
+        kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
+          for (std::int64_t i = lo; i < hi; ++i) d[i] = g[i] * m[i];
         });
       });
-    });
+      nd.pass_grad(0, std::move(dx));
+    }).may_overwrite_grad_out();  // dx[i] is written after dy[i] is read
   }
   return y;
 }
