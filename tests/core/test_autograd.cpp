@@ -151,9 +151,10 @@ TEST_CASE("gradcheck reports a wrong gradient") {
     if (should_record({&x})) {
       struct Saved { Tensor x; };
       record("wrong_square", {&x}, {&y}, Saved{x.detach()}, [](Node& n, const Saved& s) {
-        GradDest dx = n.add_grad(0);
+        Tensor dx = n.new_grad(0);
         const double* xs = s.x.data<double>();
-        for (std::int64_t i = 0; i < dx.buf->numel(); ++i) dx.ptr<double>()[i] += n.grad_out().data<double>()[i] * 3 * xs[i] * xs[i];
+        for (std::int64_t i = 0; i < dx.numel(); ++i) dx.data<double>()[i] = n.grad_out().data<double>()[i] * 3 * xs[i] * xs[i];
+        n.pass_grad(0, std::move(dx));
       });
     }
     return y;
@@ -166,15 +167,13 @@ TEST_CASE("gradcheck reports a wrong gradient") {
   REQUIRE_TG_ERROR(gradcheck(right, {randn({3}).requires_grad_()}), "gradcheck", "float64");
 }
 
-TEST_CASE("Node::take_grad hands a gradient buffer over when nothing else holds it, and declines otherwise") {
+TEST_CASE("Node::pass_grad moves a gradient into an empty slot, adds it into a filled one, copies one held elsewhere") {
   // y = 3 * x, recorded with x once, or (twice) as both inputs, each carrying half. The backward
-  // offers a fresh buffer of the gradient to input 0 and, when that is declined, writes it through
-  // write_grad. `handed` is the address offered, `taken` what take_grad returned; when `share` is
-  // set, `keep` holds a second reference to the buffer. (Declined or not, x's gradient is 3: the
-  // checks on `taken` and the addresses are what tell the paths apart.)
+  // passes a fresh buffer g to the tape. `handed` is g's address; when `share` is set, `keep`
+  // holds a second reference to g's memory. (x's gradient is 3 either way: the addresses tell the
+  // tape's paths apart.)
   struct Probe {
     const void* handed = nullptr;
-    bool taken = false;
     bool share = false;
     Tensor keep;
   };
@@ -187,67 +186,144 @@ TEST_CASE("Node::take_grad hands a gradient buffer over when nothing else holds 
       Tensor g = n.grad_out() * (twice ? 1.5 : 3.0);  // twice: each input carries half
       probe.handed = g.raw_data();
       if (probe.share) probe.keep = g;
-      probe.taken = n.take_grad(0, g);
-      if (!probe.taken) {
-        GradDest dx = n.write_grad(0);
-        for (std::int64_t i = 0; i < g.numel(); ++i) dx.ptr<double>()[i] = (dx.acc ? dx.ptr<double>()[i] : 0.0) + g.data<double>()[i];
-      }
-      if (twice) {
-        GradDest dx = n.add_grad(1);
-        for (std::int64_t i = 0; i < g.numel(); ++i) dx.ptr<double>()[i] += g.data<double>()[i];
-      }
+      Tensor h = twice ? g * 1.0 : Tensor();  // input 1's part: a buffer of its own
+      n.pass_grad(0, std::move(g));
+      n.pass_grad(1, std::move(h));
     });
     return y;
   };
   const std::vector<double> three{3, 3, 3, 3};
-  SECTION("a fresh gradient: the very buffer becomes x's") {
+  SECTION("an empty slot takes the very buffer") {
     Tensor x = zeros({4}, float64).requires_grad_();
     Probe probe;
     sum(triple(x, probe, false)).backward();
-    CHECK(probe.taken);
     CHECK(x.grad().raw_data() == probe.handed);
     CHECK(x.grad().to_vector<double>() == three);
   }
-  SECTION("x already has a gradient: declined, and the caller adds") {
+  SECTION("a filled slot: the tape adds into the gradient already there") {
     Tensor x = zeros({4}, float64).requires_grad_();
     Probe probe;
     sum(triple(x, probe, false)).backward();
+    const void* first = x.grad().raw_data();
     sum(triple(x, probe, false)).backward();
-    CHECK_FALSE(probe.taken);
+    CHECK(x.grad().raw_data() == first);
+    CHECK(x.grad().raw_data() != probe.handed);
     CHECK(x.grad().to_vector<double>() == std::vector<double>{6, 6, 6, 6});
   }
-  SECTION("the buffer is held elsewhere, or x is passed twice: declined") {
+  SECTION("x passed twice (x * x): the first part moves in, the second is added") {
+    Tensor x = zeros({4}, float64).requires_grad_();
+    Probe probe;
+    sum(triple(x, probe, true)).backward();
+    CHECK(x.grad().raw_data() == probe.handed);
+    CHECK(x.grad().to_vector<double>() == three);
+  }
+  SECTION("memory held elsewhere is copied, so a later add leaves the holder's data alone") {
     Tensor x = zeros({4}, float64).requires_grad_();
     Probe shared;
     shared.share = true;
     sum(triple(x, shared, false)).backward();
-    CHECK_FALSE(shared.taken);
     CHECK(x.grad().raw_data() != shared.handed);
     CHECK(x.grad().to_vector<double>() == three);
-    Tensor x2 = zeros({4}, float64).requires_grad_();
-    Probe twice;
-    sum(triple(x2, twice, true)).backward();
-    CHECK_FALSE(twice.taken);
-    CHECK(x2.grad().to_vector<double>() == three);
+    sum(x * 1.0).backward();
+    CHECK(x.grad().to_vector<double>() == std::vector<double>{4, 4, 4, 4});
+    CHECK(shared.keep.to_vector<double>() == three);
   }
-  SECTION("a gradient of another shape or dtype: declined") {
-    Tensor x = zeros({4}, float64).requires_grad_();
-    Tensor y = x.detach() * 1.0;
-    bool shape_taken = true, dtype_taken = true;
-    record("offer", {&x}, {&y}, [&](Node& n) {
-      Tensor wrong_shape = zeros({2, 2}, float64), wrong_dtype = zeros({4}, float32);
-      shape_taken = n.take_grad(0, wrong_shape);
-      dtype_taken = n.take_grad(0, wrong_dtype);
-      CHECK(wrong_shape.defined());  // both left as they were
-      CHECK(wrong_dtype.defined());
-      Tensor g = n.grad_out().clone();
-      REQUIRE(n.take_grad(0, g));
-      CHECK_FALSE(g.defined());  // moved into x's gradient
+}
+
+TEST_CASE("Node::pass_grad takes a gradient of another shape with x's size, ignores an undefined one, refuses a wrong dtype") {
+  Tensor x = zeros({4}, float64).requires_grad_();
+  Tensor y = x.detach() * 1.0;
+  record("offer", {&x}, {&y}, [&](Node& n) {
+    n.pass_grad(0, Tensor());              // nothing to add
+    n.pass_grad(0, ones({2, 2}, float64));  // x's size: kept in x's shape
+  });
+  sum(y).backward();
+  CHECK(x.grad().shape() == Shape{4});
+  CHECK(x.grad().to_vector<double>() == std::vector<double>{1, 1, 1, 1});
+  Tensor x2 = zeros({4}, float64).requires_grad_();
+  Tensor y2 = x2.detach() * 1.0;
+  record("offer", {&x2}, {&y2}, [](Node& n) { n.pass_grad(0, ones({4}, float32)); });
+  REQUIRE_TG_ERROR(sum(y2).backward(), "offer", "float32");
+  tape().clear();
+}
+
+TEST_CASE("Node::new_grad gives dy's own buffer to a node that may overwrite it, and declines when it must not") {
+  // An elementwise y = 2 x recorded with may_overwrite_grad_out(); the backward writes dx = 2 dy.
+  // `given` says whether new_grad returned dy's buffer; the gradient is 2 either way.
+  struct Probe {
+    bool given = false;
+    bool copy_dy = false;  // read dy through a copy of the handle: the reuse must be declined
+  };
+  auto twice = [](const Tensor& x, Probe& probe) {
+    Tensor y = x.detach() * 2.0;
+    record("twice", {&x}, {&y}, [&probe](Node& n) {
+      const Tensor copy = probe.copy_dy ? n.grad_out() : Tensor();
+      const Tensor& dy = n.grad_out();
+      Tensor dx = n.new_grad(0);
+      probe.given = dx.raw_data() == dy.raw_data();
+      for (std::int64_t i = 0; i < dx.numel(); ++i) dx.data<double>()[i] = 2 * dy.data<double>()[i];
+      n.pass_grad(0, std::move(dx));
+    }).may_overwrite_grad_out();
+    return y;
+  };
+  const std::vector<double> two{2, 2, 2};
+  SECTION("dy held by nothing else: dx is written over it") {
+    Tensor x = zeros({3}, float64).requires_grad_();
+    Probe probe;
+    sum(twice(x, probe)).backward();
+    CHECK(probe.given);
+    CHECK(x.grad().to_vector<double>() == two);
+  }
+  SECTION("dy shared (another handle to it): a fresh buffer") {
+    Tensor x = zeros({3}, float64).requires_grad_();
+    Probe probe;
+    probe.copy_dy = true;
+    sum(twice(x, probe)).backward();
+    CHECK_FALSE(probe.given);
+    CHECK(x.grad().to_vector<double>() == two);
+  }
+  SECTION("y retains its gradient: a fresh buffer, and y's gradient stays dy") {
+    Tensor x = zeros({3}, float64).requires_grad_();
+    Probe probe;
+    Tensor y = twice(x, probe);
+    y.retain_grad();
+    sum(y).backward();
+    CHECK_FALSE(probe.given);
+    CHECK(y.grad().to_vector<double>() == std::vector<double>{1, 1, 1});
+    CHECK(x.grad().to_vector<double>() == two);
+  }
+  SECTION("without the declaration: a fresh buffer") {
+    Tensor x = zeros({3}, float64).requires_grad_();
+    Tensor y = x.detach() * 2.0;
+    bool given = true;
+    record("twice", {&x}, {&y}, [&given](Node& n) {
+      const Tensor& dy = n.grad_out();
+      Tensor dx = n.new_grad(0);
+      given = dx.raw_data() == dy.raw_data();
+      for (std::int64_t i = 0; i < dx.numel(); ++i) dx.data<double>()[i] = 2 * dy.data<double>()[i];
+      n.pass_grad(0, std::move(dx));
     });
     sum(y).backward();
-    CHECK_FALSE(shape_taken);
-    CHECK_FALSE(dtype_taken);
-    CHECK(x.grad().to_vector<double>() == std::vector<double>{1, 1, 1, 1});
+    CHECK_FALSE(given);
+    CHECK(x.grad().to_vector<double>() == two);
+  }
+  SECTION("dy of another dtype than x: a fresh buffer of x's dtype") {
+    Tensor x = zeros({3}, float32).requires_grad_();
+    Tensor y = zeros({3}, float64);
+    bool given = true;
+    DType got = float64;
+    record("widen", {&x}, {&y}, [&](Node& n) {
+      const Tensor& dy = n.grad_out();
+      Tensor dx = n.new_grad(0);
+      given = dx.raw_data() == dy.raw_data();
+      got = dx.dtype();
+      for (std::int64_t i = 0; i < dx.numel(); ++i) dx.data<float>()[i] = static_cast<float>(dy.data<double>()[i]);
+      n.pass_grad(0, std::move(dx));
+    }).may_overwrite_grad_out();
+    sum(y).backward();
+    CHECK_FALSE(given);
+    CHECK(got == float32);
+    CHECK(x.grad().to_vector<float>() == std::vector<float>{1, 1, 1});
   }
 }
 
@@ -284,14 +360,14 @@ TEST_CASE("a node keeps its arrays in one arena block, and a freed node's arrays
   CHECK(n0.inputs()[1] == nullptr);
   REQUIRE(n0.outputs().size() == 1);
   CHECK(n0.outputs()[0] == h.meta());
-  REQUIRE(n0.other_shapes().size() == 1);
-  CHECK(n0.input_shape(1) == Shape{2});
-  CHECK(n0.saved_count() == 2);
+  CHECK(n0.input_shape(0) == Shape{2});
+  CHECK(n0.input_shape(1) == Shape{2});  // c's shape, kept without a slot
+  CHECK(n0.bytes_saved() == 2 * 2 * sizeof(double));  // mul saves a and b
   a.backward();  // frees nodes 0 and 1; exp's and b's stay
-  CHECK(n0.freed);
+  CHECK(n0.freed());
   CHECK(n0.inputs().empty());
   CHECK(n0.outputs().empty());
-  CHECK(n0.saved_count() == 0);
+  CHECK(n0.bytes_saved() == 0);
   CHECK(x.grad().to_vector<double>() == std::vector<double>{4, 5});
   b.backward();  // walks past the freed nodes
   CHECK(x.grad().at({1}) == Approx(5 + std::exp(2.0)));

@@ -443,7 +443,7 @@ std::optional<Tensor> run_backward(Rng& r, const std::string& op, const Tensor& 
 }
 
 // The leaves' gradients (copies), then cleared so that the next backward starts from zero.
-std::vector<Tensor> take_grads(const std::vector<Tensor>& leaves) {
+std::vector<Tensor> collect_grads(const std::vector<Tensor>& leaves) {
   std::vector<Tensor> out;
   for (Tensor t : leaves) {  // a copy of the handle shares the autograd slot
     const bool has = t.defined() && t.requires_grad() && t.grad().defined();
@@ -1818,7 +1818,7 @@ void fuzz_row_norm(Rng& r, std::uint64_t seed) {
     check_output(name, *y, x.dtype(), x.shape(), &ref);
     g = run_backward(r, name, *y, leaves);
   }
-  const std::vector<Tensor> fused_grads = take_grads(leaves);
+  const std::vector<Tensor> fused_grads = collect_grads(leaves);
   // The composite twin: valid arguments must work and agree (within float32 rounding of its
   // separate steps, on moderate inputs), gradients included; invalid ones may be accepted (it
   // checks less) or throw.
@@ -1920,7 +1920,7 @@ void fuzz_batch_norm(Rng& r, std::uint64_t seed) {
   }
   const std::vector<Tensor> leaves{x, w, b};
   const auto g = run_backward(r, "batch_norm", *y, leaves);
-  const std::vector<Tensor> fused_grads = take_grads(leaves);
+  const std::vector<Tensor> fused_grads = collect_grads(leaves);
   // The composite reshapes to (-1, C), which a zero-channel input cannot do. Training uses batch
   // statistics and eval the running ones, which the fused eval call left alone: same reference.
   const auto yc = attempt("composite::batch_norm", C > 0 ? Expect::ok : Expect::either,
@@ -1964,7 +1964,7 @@ void fuzz_weight_norm(Rng& r, std::uint64_t seed) {
     check_output("weight_norm", *y, v.dtype(), v.shape(), &ref);
     up = run_backward(r, "weight_norm", *y, leaves);
   }
-  const std::vector<Tensor> fused_grads = take_grads(leaves);
+  const std::vector<Tensor> fused_grads = collect_grads(leaves);
   const auto yc = attempt("composite::weight_norm", valid ? Expect::ok : Expect::either, [&] { return tg::composite::weight_norm(v, g); });
   if (!yc || !valid) return;
   const bool comparable = all_moderate({v, g});
@@ -2013,7 +2013,7 @@ void fuzz_causal_softmax(Rng& r, std::uint64_t seed) {
     check_output("scaled_causal_softmax", *y, x.dtype(), x.shape(), &ref);
     g = run_backward(r, "scaled_causal_softmax", *y, {x});
   }
-  const std::vector<Tensor> fused_grads = take_grads({x});
+  const std::vector<Tensor> fused_grads = collect_grads({x});
   const auto yc = attempt("composite::scaled_causal_softmax", valid ? Expect::ok : Expect::either,
                           [&] { return tg::composite::scaled_causal_softmax(x, scale); });
   if (!yc || !valid) return;
@@ -2074,7 +2074,7 @@ void fuzz_attention(Rng& r, std::uint64_t seed) {
     check_output("causal_attention", *y, qkv.dtype(), Shape{qkv.shape()[0], qkv.shape()[1], Cq}, &ref);
     g = run_backward(r, "causal_attention", *y, {qkv}, kKnownBugs.attention_empty_not_on_tape && y->numel() == 0);
   }
-  const std::vector<Tensor> fused_grads = take_grads({qkv});
+  const std::vector<Tensor> fused_grads = collect_grads({qkv});
   if (kKnownBugs.composite_attention_zero_heads && n_head == 0) return;
   const bool zero_width = kKnownBugs.composite_attention_zero_width && Cq == 0;
   const auto yc = attempt("composite::causal_attention", valid && !zero_width ? Expect::ok : Expect::either,
@@ -2143,7 +2143,7 @@ void fuzz_swiglu(Rng& r, std::uint64_t seed) {
     g = run_backward(r, "swiglu", *y, {x});
     if (g) check_grad("swiglu", x, swiglu_grad_ref(xv, g->to_vector<double>(), F));
   }
-  const std::vector<Tensor> fused_grads = take_grads({x});
+  const std::vector<Tensor> fused_grads = collect_grads({x});
   const auto yc = attempt("composite::swiglu", valid ? Expect::ok : Expect::error, [&] { return tg::composite::swiglu(x); });
   if (yc && valid) {
     const bool comparable = all_moderate({x}, 100);
@@ -2151,7 +2151,7 @@ void fuzz_swiglu(Rng& r, std::uint64_t seed) {
     const auto gc = run_backward(r, "composite::swiglu", *yc, {x}, false, g ? &*g : nullptr);
     if (g && gc && comparable) check_twin_grads("swiglu", {x}, fused_grads, *g);
   }
-  take_grads({x});
+  collect_grads({x});
   // composite::silu, x * sigmoid(x), on the same x against silu's values
   const auto ys = attempt("composite::silu", is_float(x) ? Expect::ok : Expect::error, [&] { return tg::composite::silu(x); });
   if (!ys) return;
@@ -2232,7 +2232,7 @@ void fuzz_rope(Rng& r, std::uint64_t seed) {
     g = run_backward(r, "rope", *y, {x});
     if (g) check_grad("rope", x, rope_ref(g->to_vector<double>(), cv, sv, rows, Tx, Dx, hs, R, pos0, true));
   }
-  const std::vector<Tensor> fused_grads = take_grads({x});
+  const std::vector<Tensor> fused_grads = collect_grads({x});
   const auto yc = attempt("composite::rope", valid ? Expect::ok : Expect::error,
                           [&] { return tg::composite::rope(x, cos, sin, hs, rotated, pos0); });
   if (!yc || !valid) return;
@@ -2361,7 +2361,7 @@ void fuzz_threads(Rng& r, std::uint64_t seed) {
     Rng gr(seed + 1);  // the same upstream gradient in both runs
     y.backward(random_tensor(gr, y.shape(), y.dtype(), false));
     tg::set_num_threads(1);
-    return std::pair{y.detach(), take_grads(leaves)};
+    return std::pair{y.detach(), collect_grads(leaves)};
   };
   const auto one = attempt("threads", Expect::ok, [&] { return run(1); });
   const auto pool = attempt("threads", Expect::ok, [&] { return run(g_pool_threads); });
