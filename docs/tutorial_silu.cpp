@@ -8,6 +8,7 @@
 #include <iostream>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <tapegrad/tapegrad.h>
@@ -34,15 +35,14 @@ void silu_forward(const T* x, T* y, std::int64_t N) {
 // [backward kernel]
 namespace kernels {
 
-// dx = dy * (s + x s (1 - s)), with s = sigmoid(x) recomputed from the saved input.
-// acc = false: dx is a fresh buffer, assign every element; acc = true: add into it.
+// dx = dy * (s + x s (1 - s)), with s = sigmoid(x) recomputed from the saved input. dx is a
+// fresh buffer: the kernel assigns every element and never adds.
 // x, dy, dx: (N)
 template <class T>
-void silu_backward(const T* x, const T* dy, T* dx, std::int64_t N, bool acc) {
+void silu_backward(const T* x, const T* dy, T* dx, std::int64_t N) {
   for (std::int64_t i = 0; i < N; ++i) {
     const T s = sigmoid(x[i]);
-    const T g = dy[i] * (s + x[i] * s * (T(1) - s));
-    dx[i] = acc ? dx[i] + g : g;
+    dx[i] = dy[i] * (s + x[i] * s * (T(1) - s));
   }
 }
 
@@ -67,13 +67,14 @@ tg::Tensor silu(const tg::Tensor& x) {
 
   if (tg::should_record({&x})) {
     struct Saved { tg::Tensor x; };  // the input; backward recomputes s from it
-    tg::record(op, {&x}, {&y}, Saved{x.detach()}, [N](tg::Node& n, const Saved& s) {  // writes dx
-      tg::GradDest dx = n.write_grad(0);  // dx.acc: false for the first gradient to reach x
-      const tg::Tensor& dy = n.grad_out();
+    tg::record(op, {&x}, {&y}, Saved{x.detach()}, [N](tg::Node& n, const Saved& s) {
+      const tg::Tensor& dy = n.grad_out();  // dL/dy
+      tg::Tensor dx = n.new_grad(0);         // a fresh buffer of x's shape and dtype
       if (s.x.dtype() == tg::float32)
-        kernels::silu_backward(s.x.data<float>(), dy.data<float>(), dx.ptr<float>(), N, dx.acc);
+        kernels::silu_backward(s.x.data<float>(), dy.data<float>(), dx.data<float>(), N);
       else
-        kernels::silu_backward(s.x.data<double>(), dy.data<double>(), dx.ptr<double>(), N, dx.acc);
+        kernels::silu_backward(s.x.data<double>(), dy.data<double>(), dx.data<double>(), N);
+      n.pass_grad(0, std::move(dx));  // x's gradient: the tape takes it, or adds it to one there
     });
   }
   return y;
@@ -94,14 +95,12 @@ tg::Tensor silu_forgot_product_rule(const tg::Tensor& x) {
   if (tg::should_record({&x})) {
     struct Saved { tg::Tensor x; };
     tg::record("silu_wrong", {&x}, {&y}, Saved{x.detach()}, [](tg::Node& n, const Saved& s) {
-      tg::GradDest dx = n.write_grad(0);
+      tg::Tensor dx = n.new_grad(0);
       const double* xs = s.x.data<double>();
       const double* dy = n.grad_out().data<double>();
-      double* g = dx.ptr<double>();
-      for (std::int64_t i = 0; i < s.x.numel(); ++i) {
-        const double v = dy[i] * kernels::sigmoid(xs[i]);
-        g[i] = dx.acc ? g[i] + v : v;
-      }
+      double* g = dx.data<double>();
+      for (std::int64_t i = 0; i < s.x.numel(); ++i) g[i] = dy[i] * kernels::sigmoid(xs[i]);
+      n.pass_grad(0, std::move(dx));
     });
   }
   return y;
@@ -139,7 +138,7 @@ bool check_backward_kernel() {
   for (double x : xs) {
     double dx = 0, lo = 0, hi = 0;
     const double xlo = x - h, xhi = x + h;
-    kernels::silu_backward(&x, &one, &dx, 1, /*acc=*/false);
+    kernels::silu_backward(&x, &one, &dx, 1);
     kernels::silu_forward(&xlo, &lo, 1);
     kernels::silu_forward(&xhi, &hi, 1);
     const double numeric = (hi - lo) / (2 * h);
@@ -173,7 +172,7 @@ bool check_gradients() {
 
   tg::GradcheckReport once =
       tg::gradcheck([](const std::vector<tg::Tensor>& in) { return tutorial::silu(in[0]); }, {x});
-  // x reaches two silu nodes: the first to run writes x's gradient (=), the second adds (+=).
+  // x reaches two silu nodes: the tape takes the first one's gradient and adds the second's.
   tg::GradcheckReport twice = tg::gradcheck(
       [](const std::vector<tg::Tensor>& in) { return tutorial::silu(in[0]) + tutorial::silu(in[0]); }, {x});
   tg::GradcheckReport wrong = tg::gradcheck(

@@ -3,7 +3,9 @@
 #   readme (the default): the first ```cpp block of README.md, so the README's example is checked
 #     to compile as written;
 #   tutorial: docs/tutorial_silu.cpp, after checking that every ```cpp block of docs/tutorial.md
-#     appears in it verbatim, so the tutorial quotes only code that compiles and runs;
+#     appears in it verbatim, or in the library's silu sources (core/ops/llama.cpp,
+#     core/kernels/llama.h) that the tutorial sets beside it, so the tutorial quotes only code
+#     that compiles and runs;
 #   dist: the first ```cpp block of docs/distributed.md, built with find_package(tapegrad
 #     COMPONENTS dist) (tests/dist/consumer), run alone and, when MPIEXEC is given, at 2 ranks.
 cmake_minimum_required(VERSION 3.18)  # the policies of a project, in script mode too
@@ -56,6 +58,8 @@ if(PROGRAM STREQUAL "readme")
 elseif(PROGRAM STREQUAL "tutorial")
   file(READ ${SOURCE_DIR}/docs/tutorial.md rest)
   file(READ ${SOURCE_DIR}/docs/tutorial_silu.cpp program)
+  file(READ ${SOURCE_DIR}/core/ops/llama.cpp library_op)
+  file(READ ${SOURCE_DIR}/core/kernels/llama.h library_kernel)
   set(n 0)
   while(TRUE)
     next_cpp_block("${rest}")
@@ -65,14 +69,20 @@ elseif(PROGRAM STREQUAL "tutorial")
     math(EXPR n "${n} + 1")
     string(FIND "${program}" "${out}" at)
     if(at EQUAL -1)
+      string(FIND "${library_op}" "${out}" at)
+    endif()
+    if(at EQUAL -1)
+      string(FIND "${library_kernel}" "${out}" at)
+    endif()
+    if(at EQUAL -1)
       message(FATAL_ERROR "docs/tutorial.md: C++ block ${n} does not appear verbatim in "
-                          "docs/tutorial_silu.cpp:\n${out}")
+                          "docs/tutorial_silu.cpp, core/ops/llama.cpp or core/kernels/llama.h:\n${out}")
     endif()
   endwhile()
   if(n EQUAL 0)
     message(FATAL_ERROR "docs/tutorial.md has no ```cpp block")
   endif()
-  message("docs/tutorial.md: all ${n} C++ blocks appear verbatim in docs/tutorial_silu.cpp")
+  message("docs/tutorial.md: all ${n} C++ blocks appear verbatim in docs/tutorial_silu.cpp or the library's silu")
   configure_file(${SOURCE_DIR}/docs/tutorial_silu.cpp ${WORK_DIR}/src/main.cpp COPYONLY)
   set(expect "every check passed")
 elseif(PROGRAM STREQUAL "dist")
