@@ -4,11 +4,8 @@
 // the data, detach() drops the autograd slot. Storage is always contiguous and row-major:
 // reshape/view share it, transpose/permute/slice/cat copy (documented difference from PyTorch,
 // whose transpose is a strided view).
-#include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
-#include <memory>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -83,28 +80,16 @@ class Tensor {
   Tensor sum(const std::vector<int>& axes = {}, bool keepdim = false) const;
   Tensor mean(const std::vector<int>& axes = {}, bool keepdim = false) const;
 
-  // Internal: the autograd slot (may be null) and construction from parts.
-  const detail::Ref<AutogradMeta>& meta() const { return meta_; }
+  // ---- internal: what the tape and the ops use (tapegrad/detail/tensor_parts.h) ----
+  const detail::Ref<AutogradMeta>& meta() const { return meta_; }  // the autograd slot, or null
   inline detail::Ref<AutogradMeta>& ensure_meta();
-  // Internal: makes this tensor undefined, as Tensor() (without building one to move in).
-  void reset() {
-    storage_.reset();
-    meta_.reset();
-    shape_ = Shape();
-    dtype_ = DType::f32;
-  }
-  // Internal: the count of in-place writes to this memory (set, copy_, an optimizer's step), and
-  // the bump that each such write makes.
-  std::uint32_t version() const;
-  void bump_version();
-  // Internal: no other tensor shares this one's memory.
-  bool sole_owner() const { return storage_.unique(); }
-  // Internal: the number of tensors that share this one's memory, itself included.
-  std::size_t storage_refs() const { return static_cast<std::size_t>(storage_.use_count()); }
-  // Internal: a copy of the data, without autograd history.
-  Tensor clone_data() const;
-  // Internal: the same storage under another shape of equal numel, without autograd history.
-  Tensor alias(const Shape& shape) const { return Tensor(storage_, shape, dtype_); }
+  void reset();                             // makes this tensor undefined, as Tensor()
+  std::uint32_t version() const;            // the count of in-place writes to this memory
+  void bump_version();                      // what each such write (set, copy_, an optimizer) does
+  bool sole_owner() const;                  // no other tensor shares this one's memory
+  std::size_t storage_refs() const;         // the tensors sharing this memory, itself included
+  Tensor clone_data() const;                // a copy of the data, without autograd history
+  Tensor alias(const Shape& shape) const;   // the same memory under another shape of equal numel
   Tensor(detail::Ref<Storage> s, const Shape& shape, DType dtype)
       : storage_(std::move(s)), shape_(shape), dtype_(dtype) {}
 

@@ -152,6 +152,15 @@ Tensor from_vector(const std::vector<T>& values, const Shape& shape) {
   return t;
 }
 
+inline void Tensor::reset() {
+  storage_.reset();
+  meta_.reset();
+  shape_ = Shape();
+  dtype_ = DType::f32;
+}
+inline bool Tensor::sole_owner() const { return storage_.unique(); }
+inline std::size_t Tensor::storage_refs() const { return static_cast<std::size_t>(storage_.use_count()); }
+inline Tensor Tensor::alias(const Shape& shape) const { return Tensor(storage_, shape, dtype_); }
 inline std::uint32_t Tensor::version() const { return storage_ ? storage_->version : 0; }
 inline void Tensor::bump_version() {
   if (storage_) ++storage_->version;
