@@ -1,18 +1,14 @@
 #pragma once
-// Normalisation kernels, forward and backward side by side: for each row (one token's features),
-// plain loops over its features. The gradients are those of Zhang & Sennrich, "Root Mean Square
-// Layer Normalization" (NeurIPS 2019), section 4. Notation per row of n features (C in the code):
-// a = input, g = gain, b = bias, dy = upstream gradient; shapes in the comments.
+// Normalisation kernels, forward and backward side by side: for each row, plain loops over its
+// features. The gradients: Zhang & Sennrich, "Root Mean Square Layer Normalization" (NeurIPS
+// 2019), section 4. Per row of n features (C in the code): a = input, g = gain, b = bias, dy =
+// upstream gradient. Statistics accumulate in double whatever T is; variances are two-pass (mean,
+// then squared deviations: E[a^2] - E[a]^2 cancels catastrophically); the forward saves each row's
+// statistic for the backward. g, b and any unwanted gradient may be null. Every gradient is
+// written (=), never added: the tape adds it to one already there (tapegrad/node.h).
 //
-// Statistics accumulate in double whatever T is; variances are two-pass (the mean first, then the
-// squared deviations: E[a^2] - E[a]^2 cancels catastrophically); the forward saves each row's
-// statistic for the backward. g and b may be null (no gain / no bias), and so may any gradient
-// the caller does not want. Every gradient is written (=), never added: the tape adds a gradient
-// to one already there (tapegrad/node.h).
-//
-// These loops are the reference. The ops run the same math blocked, threaded and, for RMSNorm's
-// float32 rows, vectorised (kernels/norms_fast.h, kernels/rms_avx2.h); a test holds those equal
-// to these loops (tests/core/test_norm_kernels.cpp).
+// These loops are the reference: the ops run the same math blocked, threaded and vectorised
+// (kernels/norms_fast.h, rms_avx2.h), held equal to these by tests/core/test_norm_kernels.cpp.
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -30,8 +26,7 @@ void layer_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, 
     for (std::int64_t j = 0; j < C; ++j) mu += xr[j];
     mu /= static_cast<double>(C);
     for (std::int64_t j = 0; j < C; ++j) var += (xr[j] - mu) * (xr[j] - mu);
-    var /= static_cast<double>(C);
-    const double rs = 1.0 / std::sqrt(var + eps);
+    const double rs = 1.0 / std::sqrt(var / static_cast<double>(C) + eps);
     mean[r] = mu;
     rstd[r] = static_cast<T>(rs);
     for (std::int64_t j = 0; j < C; ++j)
@@ -43,30 +38,29 @@ void layer_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, 
 template <class T>
 void layer_norm_backward(const T* x, const T* g, const double* mean, const T* rstd, const T* dy, T* dx, T* dg, T* db,
                          std::int64_t rows, std::int64_t C) {
-  std::vector<double> sum_g(static_cast<std::size_t>(C)), sum_b(static_cast<std::size_t>(C));
+  std::vector<double> sums(static_cast<std::size_t>(2 * C));
+  double *sum_g = sums.data(), *sum_b = sum_g + C;  // sum over rows of dy xhat, of dy
   for (std::int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * C;
     const T* dyr = dy + r * C;
     const double rs = rstd[r];
-    double m1 = 0, m2 = 0;  // mean(dxhat), mean(dxhat xhat)
+    double s1 = 0, s2 = 0;  // sum(dxhat), sum(dxhat xhat)
     for (std::int64_t j = 0; j < C; ++j) {
       const double xhat = (xr[j] - mean[r]) * rs, dxhat = dyr[j] * (g ? g[j] : T(1));
-      m1 += dxhat;
-      m2 += dxhat * xhat;
-      sum_g[static_cast<std::size_t>(j)] += dyr[j] * xhat;
-      sum_b[static_cast<std::size_t>(j)] += dyr[j];
+      s1 += dxhat;
+      s2 += dxhat * xhat;
+      sum_g[j] += dyr[j] * xhat;
+      sum_b[j] += dyr[j];
     }
-    m1 /= static_cast<double>(C);
-    m2 /= static_cast<double>(C);
     if (!dx) continue;
     for (std::int64_t j = 0; j < C; ++j) {
       const double xhat = (xr[j] - mean[r]) * rs, dxhat = dyr[j] * (g ? g[j] : T(1));
-      dx[r * C + j] = static_cast<T>(rs * (dxhat - m1 - xhat * m2));
+      dx[r * C + j] = static_cast<T>(rs * (dxhat - (s1 + xhat * s2) / static_cast<double>(C)));
     }
   }
   for (std::int64_t j = 0; j < C; ++j) {
-    if (dg) dg[j] = static_cast<T>(sum_g[static_cast<std::size_t>(j)]);
-    if (db) db[j] = static_cast<T>(sum_b[static_cast<std::size_t>(j)]);
+    if (dg) dg[j] = static_cast<T>(sum_g[j]);
+    if (db) db[j] = static_cast<T>(sum_b[j]);
   }
 }
 
@@ -81,7 +75,8 @@ void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::in
     for (std::int64_t j = 0; j < k; ++j) ms += static_cast<double>(xr[j]) * xr[j];
     const double rr = 1.0 / std::sqrt(ms / static_cast<double>(k) + eps);
     rrms[r] = static_cast<T>(rr);
-    for (std::int64_t j = 0; j < C; ++j) y[r * C + j] = static_cast<T>(xr[j] * rr * (g ? g[j] : T(1)) + (b ? b[j] : T(0)));
+    for (std::int64_t j = 0; j < C; ++j)
+      y[r * C + j] = static_cast<T>(xr[j] * rr * (g ? g[j] : T(1)) + (b ? b[j] : T(0)));
   }
 }
 // The paper's section 4, generalised to pRMSNorm: r depends on a[0:k] only, so
@@ -91,7 +86,8 @@ void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::in
 template <class T>
 void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx, T* dg, T* db, std::int64_t rows,
                        std::int64_t C, std::int64_t k) {
-  std::vector<double> sum_g(static_cast<std::size_t>(C)), sum_b(static_cast<std::size_t>(C));
+  std::vector<double> sums(static_cast<std::size_t>(2 * C));
+  double *sum_g = sums.data(), *sum_b = sum_g + C;  // sum over rows of dy xhat, of dy
   for (std::int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * C;
     const T* dyr = dy + r * C;
@@ -99,8 +95,8 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
     double s = 0;  // sum_j g_j dy_j a_j
     for (std::int64_t j = 0; j < C; ++j) {
       s += static_cast<double>(dyr[j]) * (g ? g[j] : T(1)) * xr[j];
-      sum_g[static_cast<std::size_t>(j)] += static_cast<double>(dyr[j]) * xr[j] * rr;
-      sum_b[static_cast<std::size_t>(j)] += dyr[j];
+      sum_g[j] += static_cast<double>(dyr[j]) * xr[j] * rr;
+      sum_b[j] += dyr[j];
     }
     const double c2 = s * rr * rr * rr / static_cast<double>(k);
     if (!dx) continue;
@@ -108,15 +104,14 @@ void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx
       dx[r * C + j] = static_cast<T>(dyr[j] * (g ? g[j] : T(1)) * rr - (j < k ? xr[j] * c2 : 0.0));
   }
   for (std::int64_t j = 0; j < C; ++j) {
-    if (dg) dg[j] = static_cast<T>(sum_g[static_cast<std::size_t>(j)]);
-    if (db) db[j] = static_cast<T>(sum_b[static_cast<std::size_t>(j)]);
+    if (dg) dg[j] = static_cast<T>(sum_g[j]);
+    if (db) db[j] = static_cast<T>(sum_b[j]);
   }
 }
 
-// ---- BatchNorm over the R rows of a channels-last (R, C) view, per channel c (training: the batch's
-//      statistics): mu_c = mean over rows, var_c = biased variance, rstd_c = 1 / sqrt(var_c + eps),
-//      y = (a - mu_c) rstd_c g_c + b_c.   mean, rstd, var (C): var for the running statistics.
-// y from given statistics (training and eval alike).
+// ---- BatchNorm over the R rows of a channels-last (R, C) view, per channel c: mu_c = mean over
+//      rows, var_c = biased variance, rstd_c = 1 / sqrt(var_c + eps), y = (a - mu_c) rstd_c g_c + b_c.
+// y from given statistics (the batch's in training, the running ones in eval); mean, rstd (C).
 template <class T>
 void batch_norm_apply(const T* x, const T* g, const T* b, T* y, const double* mu, const T* rstd, std::int64_t R,
                       std::int64_t C) {
@@ -128,6 +123,7 @@ void batch_norm_apply(const T* x, const T* g, const T* b, T* y, const double* mu
       y[r * C + c] = v;
     }
 }
+// Training: the batch's statistics; var (C) for the running statistics.
 template <class T>
 void batch_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, T* rstd, double* var,
                         std::int64_t R, std::int64_t C, double eps) {
@@ -143,38 +139,28 @@ void batch_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, 
   }
   batch_norm_apply(x, g, b, y, mean, rstd, R, C);
 }
-// PyTorch's running statistics: running = (1 - momentum) running + momentum batch, the variance's
-// batch value unbiased (times R / (R - 1)).
-template <class T>
-void batch_norm_update_running(T* running_mean, T* running_var, const double* mean, const double* var, std::int64_t R,
-                               std::int64_t C, double momentum) {
-  const double unbias = static_cast<double>(R) / static_cast<double>(R - 1);
-  for (std::int64_t c = 0; c < C; ++c) {
-    running_mean[c] = static_cast<T>((1 - momentum) * running_mean[c] + momentum * mean[c]);
-    running_var[c] = static_cast<T>((1 - momentum) * running_var[c] + momentum * var[c] * unbias);
-  }
-}
 // Training (the statistics depend on every row), with dxhat = g dy, per channel over R rows:
 //   da = rstd / R (R dxhat - sum(dxhat) - xhat sum(dxhat xhat));  dg = sum dy xhat;  db = sum dy.
 // Eval (fixed running statistics: y is affine in a):  da = g rstd dy.
 template <class T>
 void batch_norm_backward(const T* x, const T* g, const double* mu, const T* rstd, const T* dy, T* dx, T* dg, T* db,
                          std::int64_t R, std::int64_t C, bool training) {
-  std::vector<double> sum_g(static_cast<std::size_t>(C)), sum_b(static_cast<std::size_t>(C));  // sum dy xhat, sum dy
+  std::vector<double> sums(static_cast<std::size_t>(2 * C));
+  double *sum_g = sums.data(), *sum_b = sum_g + C;  // per channel: sum dy xhat, sum dy
   for (std::int64_t r = 0; r < R; ++r)
     for (std::int64_t c = 0; c < C; ++c) {
-      sum_g[static_cast<std::size_t>(c)] += dy[r * C + c] * (x[r * C + c] - mu[c]) * rstd[c];
-      sum_b[static_cast<std::size_t>(c)] += dy[r * C + c];
+      sum_g[c] += dy[r * C + c] * (x[r * C + c] - mu[c]) * rstd[c];
+      sum_b[c] += dy[r * C + c];
     }
-  for (std::int64_t r = 0; r < R && dx != nullptr; ++r)
-    for (std::int64_t c = 0; c < C; ++c) {
-      const double gc = g ? static_cast<double>(g[c]) : 1.0, xhat = (x[r * C + c] - mu[c]) * rstd[c];
-      const double sums = (sum_b[static_cast<std::size_t>(c)] + xhat * sum_g[static_cast<std::size_t>(c)]) / static_cast<double>(R);
-      dx[r * C + c] = static_cast<T>(gc * rstd[c] * (training ? dy[r * C + c] - sums : dy[r * C + c]));
+  for (std::int64_t r = 0; dx && r < R; ++r)
+    for (std::int64_t c = 0; c < C; ++c) {  // sum(dxhat) = g_c sum dy, sum(dxhat xhat) = g_c sum dy xhat
+      const double xhat = (x[r * C + c] - mu[c]) * rstd[c], gc = g ? static_cast<double>(g[c]) : 1.0;
+      const double d = training ? dy[r * C + c] - (sum_b[c] + xhat * sum_g[c]) / static_cast<double>(R) : dy[r * C + c];
+      dx[r * C + c] = static_cast<T>(gc * rstd[c] * d);
     }
   for (std::int64_t c = 0; c < C; ++c) {
-    if (dg) dg[c] = static_cast<T>(sum_g[static_cast<std::size_t>(c)]);
-    if (db) db[c] = static_cast<T>(sum_b[static_cast<std::size_t>(c)]);
+    if (dg) dg[c] = static_cast<T>(sum_g[c]);
+    if (db) db[c] = static_cast<T>(sum_b[c]);
   }
 }
 

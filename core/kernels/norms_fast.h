@@ -287,6 +287,17 @@ void batch_norm_forward_eval(const T* x, const T* g, const T* b, T* y, const T* 
   }
   fast::batch_norm_apply(x, g, b, y, mean, rstd, R, C);
 }
+// PyTorch's running statistics: running = (1 - momentum) running + momentum batch, the variance's
+// batch value unbiased (times R / (R - 1)).
+template <class T>
+void batch_norm_update_running(T* running_mean, T* running_var, const double* mean, const double* var, std::int64_t R,
+                               std::int64_t C, double momentum) {
+  const double unbias = static_cast<double>(R) / static_cast<double>(R - 1);
+  for (std::int64_t c = 0; c < C; ++c) {
+    running_mean[c] = static_cast<T>((1 - momentum) * running_mean[c] + momentum * mean[c]);
+    running_var[c] = static_cast<T>((1 - momentum) * running_var[c] + momentum * var[c] * unbias);
+  }
+}
 template <class T>
 void batch_norm_backward(const T* x, const T* g, const double* mu, const T* rstd, const T* dy, T* dx, T* dg, T* db,
                          std::int64_t R, std::int64_t C, bool training) {

@@ -123,8 +123,8 @@ void batch_norm_forward(const Tensor& x, const Tensor& running_mean, const Tenso
   fast::batch_norm_forward(x.data<T>(), g, b, y.data<T>(), mean.data<double>(), rstd.data<T>(), var.data(), R, C, eps);
   if (training && running_mean.defined())
     detail::update_state_once([&] {
-      kernels::batch_norm_update_running(Tensor(running_mean).data<T>(), Tensor(running_var).data<T>(),
-                                         mean.data<double>(), var.data(), R, C, momentum);
+      fast::batch_norm_update_running(Tensor(running_mean).data<T>(), Tensor(running_var).data<T>(), mean.data<double>(),
+                                      var.data(), R, C, momentum);
     });
 }
 }  // namespace
