@@ -12,6 +12,8 @@
 #include <vector>
 
 #include <tapegrad/tapegrad.h>
+#include <tapegrad/nn.h>
+#include <tapegrad/optim.h>
 
 // [forward kernel]
 namespace kernels {

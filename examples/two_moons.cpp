@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <numbers>
 #include <tapegrad/tapegrad.h>
+#include <tapegrad/nn.h>
+#include <tapegrad/optim.h>
 
 using namespace tg;
 

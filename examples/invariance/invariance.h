@@ -9,6 +9,8 @@
 #include <vector>
 
 #include <tapegrad/tapegrad.h>
+#include <tapegrad/nn.h>
+#include <tapegrad/optim.h>
 
 namespace inv {
 

@@ -6,6 +6,8 @@
 #include <vector>
 
 #include <tapegrad/tapegrad.h>
+#include <tapegrad/nn.h>
+#include <tapegrad/optim.h>
 
 namespace lm {
 

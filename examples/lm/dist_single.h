@@ -5,6 +5,8 @@
 #include <cstdlib>
 
 #include <tapegrad/tapegrad.h>
+#include <tapegrad/nn.h>
+#include <tapegrad/optim.h>
 
 namespace tg::dist {
 

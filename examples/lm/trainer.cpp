@@ -12,6 +12,9 @@
 #include <fstream>
 
 #include "lm/checkpoint.h"
+#include "tapegrad/anomaly.h"
+#include "tapegrad/autocast.h"
+#include "tapegrad/checkpoint.h"
 
 namespace lm {
 

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "tapegrad/autograd.h"
+#include "tapegrad/hooks.h"
 #include "tapegrad/nn/module.h"
 #include "tapegrad/tensor.h"
 
