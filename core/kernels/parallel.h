@@ -1,9 +1,9 @@
 #pragma once
 // Parallel loops over OpenMP that cost nothing when the work is small, and the helpers every
 // kernel shares: parallel_for(n, work, body(lo, hi)) and parallel_region(work, body(t, nt)),
-// chunk_begin (a thread's share of a range), fill_zero(x, n) (x (n) = 0), with_bool / with_acc
-// and put (a run-time flag as a compile-time one, for stores that either write or add a
-// gradient), and TG_PRAGMA. n is the iterations split, `work` the elements the loop touches.
+// chunk_begin (a thread's share of a range), fill_zero(x, n) (x (n) = 0), with_bool (a run-time
+// flag as a compile-time one), and TG_PRAGMA. n is the iterations split, `work` the elements the
+// loop touches.
 //
 // OpenMP only pays off above a few tens of thousands of elements: below that, waking the team
 // costs more than the loop. And the work test must sit outside the pragma: libgomp enters a
@@ -87,20 +87,6 @@ template <class F>
 [[gnu::always_inline]] inline void with_bool(bool b, F&& f) {
   if (b) f(std::true_type{});
   else f(std::false_type{});
-}
-
-// ---- writing gradients ----
-// A backward kernel either overwrites a fresh gradient buffer or adds into one that already holds
-// another path's contribution (Node::write_grad): with_acc(acc, f) is with_bool for that flag, and
-// put<A> is the store.
-template <class F>
-[[gnu::always_inline]] inline void with_acc(bool acc, F&& f) {
-  with_bool(acc, std::forward<F>(f));
-}
-template <class A, class T>
-inline void put(T& d, T v) {
-  if constexpr (A::value) d += v;
-  else d = v;
 }
 
 // ---- two products on one team ----
