@@ -29,10 +29,6 @@ void check_param(const char* op, const char* what, const Tensor& p, const Tensor
   if (p.dtype() != x.dtype()) fail(op, what, " is ", p.dtype(), " but the input is ", x.dtype());
 }
 
-void check_eps(const char* op, double eps) {
-  if (!(eps >= 0) || !std::isfinite(eps)) fail(op, "eps must be finite and >= 0, got ", eps);
-}
-
 // The checks shared by the row norms (over the last axis); returns the number of features C.
 std::int64_t check_row_norm(const char* op, const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
   detail::check_float(op, x);
@@ -41,7 +37,7 @@ std::int64_t check_row_norm(const char* op, const Tensor& x, const Tensor& weigh
   if (C == 0) fail(op, "normalising over 0 features, input ", x.shape());
   check_param(op, "weight", weight, x, C);
   check_param(op, "bias", bias, x, C);
-  check_eps(op, eps);
+  if (!(eps >= 0) || !std::isfinite(eps)) fail(op, "eps must be finite and >= 0, got ", eps);
   return C;
 }
 
@@ -141,7 +137,7 @@ Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& run
   for (auto [what, p] : {std::pair{"weight", &weight}, {"bias", &bias}, {"running_mean", &running_mean},
                          {"running_var", &running_var}})
     check_param(op, what, *p, x, C);
-  check_eps(op, eps);
+  if (!(eps >= 0) || !std::isfinite(eps)) fail(op, "eps must be finite and >= 0, got ", eps);
   if (running_mean.defined() != running_var.defined()) fail(op, "running_mean and running_var must be given together");
   if (!(momentum >= 0 && momentum <= 1)) fail(op, "momentum must be in [0, 1], got ", momentum);
   const bool batch_stats = training || !running_mean.defined();
