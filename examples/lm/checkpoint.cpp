@@ -133,10 +133,27 @@ TrainConfig parse_config_json(const std::string& text, const std::string& file) 
   }
 }
 
-Checkpoint read_checkpoint(const std::string& dir, const nn::GPTConfig& model) {
+namespace {
+void check_vocabulary(const Checkpoint& ck, const Corpus& corpus) {
+  const auto it = ck.meta.find("vocab");
+  if (it == ck.meta.end()) fail("resume", ck.file, " has no 'vocab' entry");
+  if (it->second == corpus.vocab_utf8()) return;
+  std::string theirs = "?";
+  try {
+    theirs = std::to_string(vocabulary_only(it->second).vocab_size());
+  } catch (const Error&) {  // a damaged entry: the count stays unknown
+  }
+  fail("resume", "the corpus '", corpus.path, "' has another vocabulary (", corpus.vocab_size(),
+       " characters) than the run's checkpoint ", ck.file, " (", theirs,
+       " characters): a run continues on the corpus it started with");
+}
+}  // namespace
+
+Checkpoint read_checkpoint(const std::string& dir, const nn::GPTConfig& model, const Corpus* corpus) {
   Checkpoint ck;
   ck.file = (fs::path(dir) / "checkpoint.safetensors").string();
   ck.tensors = load_safetensors(ck.file, &ck.meta);
+  if (corpus) check_vocabulary(ck, *corpus);
   nn::upgrade_state_dict(ck.tensors, model.arch, "model.");  // the names of earlier versions
   auto expect = [&](const std::string& key, const Shape& shape) {
     if (!ck.tensors.contains(key)) fail("resume", ck.file, " has no tensor '", key, "'");

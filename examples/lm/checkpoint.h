@@ -24,8 +24,9 @@ struct Checkpoint {
 
 // Reads dir/checkpoint.safetensors and holds its tensors against the model configuration (vocabulary,
 // context, width, number of blocks), so that a damaged configuration (n_layer 4294967296, n_embd 1e9)
-// is refused before anything is allocated for it.
-Checkpoint read_checkpoint(const std::string& dir, const tg::nn::GPTConfig& model);
+// is refused before anything is allocated for it. Given the corpus, first refuses a vocabulary
+// other than the checkpoint's, saying so (not as a tensor's shape).
+Checkpoint read_checkpoint(const std::string& dir, const tg::nn::GPTConfig& model, const Corpus* corpus = nullptr);
 
 // The model's state dict as the PyTorch reference's safetensors save_model writes it: every
 // parameter and buffer under its own name, a tied head (gpt) once, as head.weight (save_model keeps
