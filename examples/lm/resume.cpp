@@ -15,7 +15,7 @@ namespace {
 // A number as the shortest text that reads back to it (0.001, not 0.0010000000000000000208).
 std::string shortest(double v) {
   char buf[32];
-  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::general);
   return ec == std::errc() ? std::string(buf, end) : std::to_string(v);
 }
 

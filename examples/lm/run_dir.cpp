@@ -56,6 +56,7 @@ std::string errno_text(int e) { return std::strerror(e); }
 // The locks this process holds: canonical directory -> (descriptor, holders).
 struct Held {
   int fd = -1, holders = 0;
+  pid_t owner = 0;  // a child made by fork() inherits the map, not the lock
 };
 std::mutex g_mutex;
 std::map<std::string, Held> g_held;
@@ -89,13 +90,12 @@ void remove_stale_temps(const fs::path& dir) {
 
 std::string run_file_in(const std::string& dir) {
   std::string found;
-  std::size_t rank = std::size(kRunFiles);  // the checkpoint first, then the model, the logs...
   for_each_file(dir, [&](const fs::path& p) {
-    for (std::size_t i = 0; i < rank; ++i)
-      if (p.filename() == kRunFiles[i]) {
-        found = fs::relative(p, dir).string();
-        rank = i;
-      }
+    // a checkpoint first, else a model: logs alone (a run stopped before its first checkpoint)
+    // hold nothing a resume could continue
+    const bool ck = p.filename() == "checkpoint.safetensors", model = p.filename() == "model.safetensors";
+    if ((ck && found.find("checkpoint.safetensors") == std::string::npos) || (model && found.empty()))
+      found = fs::relative(p, dir).string();
   });
   return found;
 }
@@ -107,9 +107,9 @@ RunLock::RunLock(const std::string& dir) {
   const std::string key = fs::canonical(dir).string();
   std::lock_guard<std::mutex> guard(g_mutex);
   Held& h = g_held[key];
-  if (h.holders == 0) {
+  if (h.holders == 0 || h.owner != ::getpid()) {
     try {
-      h.fd = open_and_lock(key);
+      h = Held{open_and_lock(key), 0, ::getpid()};
     } catch (...) {
       g_held.erase(key);
       throw;

@@ -16,8 +16,9 @@ namespace lm {
 // The name of the lock file inside a run directory.
 inline constexpr const char* kLockFile = ".train_lm.lock";
 
-// The first file of a run that dir (or a <norm>/ or seed<N>/ directory below it) holds, as a
-// path relative to dir; "" when it holds none (also when dir does not exist).
+// The checkpoint (else the model) of a run that dir (or a <norm>/ or seed<N>/ directory below it)
+// holds, as a path relative to dir; "" when it holds none (also when dir does not exist). Logs
+// alone, of a run stopped before its first checkpoint, are not a run: a new run replaces them.
 std::string run_file_in(const std::string& dir);
 
 // An exclusive lock on a run directory for as long as the object lives. Locks of one process
