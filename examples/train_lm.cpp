@@ -236,12 +236,15 @@ void trace_one_step(const Options& o) {
 }
 
 // The run in o.resume as it continues: its checkpoint's configuration, with what this command line
-// may change (lm/resume.h); any other flag that differs is refused, every rank alike.
-lm::TrainConfig resumed_config(const Options& o, const CLI::App& app) {
+// may change (lm/resume.h); any other flag that differs is refused, every rank alike. meta: the
+// checkpoint's metadata.
+lm::TrainConfig resumed_config(const Options& o, const CLI::App& app, tg::Metadata& meta) {
   std::vector<std::string> notes;
   lm::TrainConfig r;
   try {
-    const lm::TrainConfig run = lm::read_checkpoint_config(o.resume);
+    meta = lm::read_checkpoint_meta(o.resume);
+    const std::string file = (fs::path(o.resume) / "checkpoint.safetensors").string();
+    const lm::TrainConfig run = lm::parse_config_json(meta["config"], file);
     r = lm::resume_config(run, o.c, [&](const std::string& flag) { return app.count(flag) > 0; }, notes);
   } catch (const tg::Error& e) {
     throw lm::JobError(e.what());  // every rank reads the same file with the same flags
@@ -251,16 +254,17 @@ lm::TrainConfig resumed_config(const Options& o, const CLI::App& app) {
   return r;
 }
 
-// True when the run in r.out has nothing left to do: its checkpoint is at r.steps or beyond, and
-// its model and summary were written (the model by the configuration that wrote the checkpoint).
-bool nothing_to_do(const lm::TrainConfig& r) {
+// True when the run in r.out has nothing left to do: its checkpoint (meta) is at r.steps or
+// beyond, and its model and summary were written (the model by the configuration that wrote the
+// checkpoint).
+bool nothing_to_do(const lm::TrainConfig& r, const tg::Metadata& meta) {
   const fs::path dir(r.out);
   if (!fs::exists(dir / "summary.md") || !fs::exists(dir / "model.safetensors")) return false;
-  tg::Metadata ck, model;
+  tg::Metadata model;
   try {
-    tg::load_safetensors((dir / "checkpoint.safetensors").string(), &ck);
     tg::load_safetensors((dir / "model.safetensors").string(), &model);
-    return static_cast<std::int64_t>(lm::meta_u64(ck, "step", "checkpoint")) >= r.steps && model["config"] == ck["config"];
+    return static_cast<std::int64_t>(lm::meta_u64(meta, "step", "checkpoint")) >= r.steps &&
+           model["config"] == meta.at("config");
   } catch (const tg::Error&) {
     return false;  // the resume itself reports what is wrong
   }
@@ -268,10 +272,16 @@ bool nothing_to_do(const lm::TrainConfig& r) {
 
 // Continues the run in r.out; returns its result for the whole run (every evaluation in its
 // metrics.csv), or nothing when this process changed no file of a finished run.
-std::vector<lm::RunResult> resume_run(const lm::TrainConfig& r) {
+std::vector<lm::RunResult> resume_run(const lm::TrainConfig& r, const tg::Metadata& meta) {
   lm::RunLock lock;
   lm::on_rank0([&] { lock = lm::RunLock(r.out); });
   lm::Corpus corpus = lm::load_corpus(r.data, r.model.block_size);
+  lm::agree_on_corpus(corpus.path, corpus.content_hash);  // then every rank checks the same vocabulary
+  try {
+    lm::check_vocabulary(meta, (fs::path(r.out) / "checkpoint.safetensors").string(), corpus);
+  } catch (const tg::Error& e) {
+    throw lm::JobError(e.what());
+  }
   std::cerr << "resuming " << r.out << " (" << tg::nn::to_string(r.model.norm) << ") up to step " << r.steps << "\n";
   lm::RunResult res = lm::train(r, corpus, true);
   if (res.step_loss.empty() && !res.model_written && fs::exists(fs::path(r.out) / "summary.md")) return {};
@@ -376,14 +386,15 @@ void write_report(const Options& o, const lm::TrainConfig& settings, const fs::p
 
 // --resume: sample a finished run, leave one with nothing to do as it is, or continue it.
 void resume(const Options& o, const CLI::App& app) {
-  const lm::TrainConfig r = resumed_config(o, app);
+  tg::Metadata meta;
+  const lm::TrainConfig r = resumed_config(o, app, meta);
   if (r.sample > 0 && sample_finished_run(r)) return;
-  if (nothing_to_do(r)) {
+  if (nothing_to_do(r, meta)) {
     std::cerr << "the run in " << r.out << " is finished (step " << r.steps
               << " reached): nothing to do; --steps N continues it, --sample N samples it\n";
     return;
   }
-  const std::vector<lm::RunResult> runs = resume_run(r);
+  const std::vector<lm::RunResult> runs = resume_run(r, meta);
   if (!runs.empty()) write_report(o, r, r.out, runs);
 }
 
