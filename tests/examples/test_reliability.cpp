@@ -1,7 +1,11 @@
 // Reliability of the training program and its checkpoint files:
 //  - crash safety: train_lm killed with SIGKILL at random moments always leaves either no checkpoint
 //    (before the first save) or one that loads and resumes to the same numbers as an uninterrupted
-//    run; a leftover "<checkpoint>.tmp" is never read;
+//    run; a leftover "<checkpoint>.tmp" is never read; the same with SIGINT and SIGTERM mixed in,
+//    which end the step, checkpoint it and exit 130/143;
+//  - run directories (docs/reliability.md): a second --out refuses a run's directory, a lock keeps a
+//    second writer out, a resume refuses flags that differ from the run and reports the whole
+//    run, a finished run resumed without work is left byte for byte;
 //  - reproducibility: a fixed seed and thread count give bit-identical logs and weights (and what
 //    changes between 1 and 2 threads is reported);
 //  - hardened checkpoint loading: 20,000 corrupted checkpoints either load or are
