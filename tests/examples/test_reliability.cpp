@@ -628,7 +628,7 @@ void wait_for_size(const fs::path& path, std::uintmax_t bytes) {
 
 }  // namespace
 
-TEST_CASE("train_lm --out on a directory holding a run refuses it and changes nothing; --overwrite starts afresh",
+TEST_CASE("train_lm --out on a directory holding a run refuses it and changes nothing, and --overwrite starts afresh",
           "[reliability][rundir]") {
   const fs::path dir = scratch("rundir");
   const std::string data = make_corpus(dir);
@@ -658,7 +658,7 @@ TEST_CASE("train_lm --out on a directory holding a run refuses it and changes no
   fs::remove_all(dir);
 }
 
-TEST_CASE("lm::claim_new_run refuses a directory holding a run; overwrite removes the run's files only",
+TEST_CASE("lm::claim_new_run refuses a directory holding a run, and overwrite removes the run's files only",
           "[reliability][rundir]") {
   const fs::path dir = scratch("claim");
   const fs::path a = dir / "a";
@@ -711,7 +711,7 @@ TEST_CASE("a second train_lm is kept out of a run directory while the first writ
   fs::remove_all(dir);
 }
 
-TEST_CASE("the run lock keeps other processes out, not the holder; temporary files are per process",
+TEST_CASE("the run lock keeps other processes out, not the holder, and temporary files are per process",
           "[reliability][rundir][lock]") {
   const fs::path dir = scratch("lock_api");
   write_file(dir / "checkpoint.safetensors.999999.tmp", "stale");
@@ -753,7 +753,7 @@ TEST_CASE("the run lock keeps other processes out, not the holder; temporary fil
   fs::remove_all(dir);
 }
 
-TEST_CASE("a resume of a finished run changes nothing on disk; after a resume the report covers the whole run",
+TEST_CASE("a resume of a finished run changes nothing on disk, and after a resume the report covers the whole run",
           "[reliability][resume]") {
   const fs::path dir = scratch("finished");
   const std::string data = make_corpus(dir);
