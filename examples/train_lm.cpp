@@ -254,12 +254,24 @@ lm::TrainConfig resumed_config(const Options& o, const CLI::App& app, tg::Metada
   return r;
 }
 
+// True when dir's report was written after its model (the order a run ends in): model, summary,
+// chart. A report from before the model (a run stopped between the two) is not complete.
+bool report_complete(const fs::path& dir) {
+  std::error_code ec;
+  const auto model = fs::last_write_time(dir / "model.safetensors", ec);
+  if (ec) return false;
+  const auto summary = fs::last_write_time(dir / "summary.md", ec);
+  if (ec) return false;
+  const auto chart = fs::last_write_time(dir / "val_loss.svg", ec);
+  return !ec && model <= summary && summary <= chart;
+}
+
 // True when the run in r.out has nothing left to do: its checkpoint (meta) is at r.steps or
-// beyond, and its model and summary were written (the model by the configuration that wrote the
-// checkpoint).
+// beyond, its model was written by the configuration that wrote the checkpoint, and its report
+// after the model.
 bool nothing_to_do(const lm::TrainConfig& r, const tg::Metadata& meta) {
   const fs::path dir(r.out);
-  if (!fs::exists(dir / "summary.md") || !fs::exists(dir / "model.safetensors")) return false;
+  if (!report_complete(dir)) return false;
   tg::Metadata model;
   try {
     tg::load_safetensors((dir / "model.safetensors").string(), &model);
@@ -284,7 +296,7 @@ std::vector<lm::RunResult> resume_run(const lm::TrainConfig& r, const tg::Metada
   }
   std::cerr << "resuming " << r.out << " (" << tg::nn::to_string(r.model.norm) << ") up to step " << r.steps << "\n";
   lm::RunResult res = lm::train(r, corpus, true);
-  if (res.step_loss.empty() && !res.model_written && fs::exists(fs::path(r.out) / "summary.md")) return {};
+  if (res.step_loss.empty() && !res.model_written && report_complete(r.out)) return {};
   return {lm::whole_run(res, r.out, static_cast<double>(r.batch_size * r.model.block_size))};
 }
 
