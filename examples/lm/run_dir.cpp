@@ -28,14 +28,16 @@ bool is_run_file(const std::string& name) {
   return false;
 }
 
-// A temporary file of a run file: "<run file>.tmp" or "<run file>.<pid>.tmp".
+// A temporary file of a run file: "<run file>.tmp", "<run file>.<pid>.tmp" or "<run file>.<pid>".
 bool is_run_temp(const std::string& name) {
-  if (name.size() < 5 || name.compare(name.size() - 4, 4, ".tmp") != 0) return false;
-  std::string stem = name.substr(0, name.size() - 4);
+  const bool tmp = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
+  std::string stem = tmp ? name.substr(0, name.size() - 4) : name;
   const auto dot = stem.rfind('.');
   if (dot != std::string::npos && dot + 1 < stem.size() &&
       stem.find_first_not_of("0123456789", dot + 1) == std::string::npos)
     stem.resize(dot);
+  else if (!tmp)
+    return false;
   return is_run_file(stem);
 }
 
@@ -203,6 +205,17 @@ void write_atomic(const std::string& path, const std::string& bytes) {
     if (fd >= 0) ::close(fd);
     ::unlink(tmp.c_str());
     throw;
+  }
+  sync_dir(fs::path(path).parent_path());
+}
+
+void save_safetensors_atomic(const std::string& path, const tg::StateDict& tensors, const tg::Metadata& metadata) {
+  const std::string mine = path + "." + std::to_string(::getpid());
+  tg::save_safetensors(mine, tensors, metadata);  // through mine + ".tmp", fsync'ed
+  if (::rename(mine.c_str(), path.c_str()) != 0) {
+    const int e = errno;
+    ::unlink(mine.c_str());
+    tg::fail("write", "rename of '", mine, "' to '", path, "' failed: ", errno_text(e));
   }
   sync_dir(fs::path(path).parent_path());
 }

@@ -48,6 +48,9 @@ RunLock claim_new_run(const std::string& dir, bool overwrite);
 // Writes bytes to path atomically through a temporary file unique to this process; on any
 // failure (a full disk: ENOSPC) the temporary file is removed and tg::Error says why.
 void write_atomic(const std::string& path, const std::string& bytes);
+// tg::save_safetensors to path the same way, without a copy of the file in memory: to
+// <path>.<pid>.tmp, fsync'ed, renamed to <path>.<pid>, then renamed over path.
+void save_safetensors_atomic(const std::string& path, const tg::StateDict& tensors, const tg::Metadata& metadata);
 // As write_atomic, unless path already holds exactly these bytes: then nothing is touched.
 // Returns whether it wrote.
 bool write_if_changed(const std::string& path, const std::string& bytes);

@@ -292,7 +292,7 @@ void Trainer::checkpoint() {
                 {"rng_offset", std::to_string(default_generator().offset())},
                 {"best_val", exact(r_.best_val)}};
   // a temporary file of this process, fsync, rename
-  write_atomic((fs::path(cfg_.out) / "checkpoint.safetensors").string(), to_safetensors_bytes(all, meta));
+  save_safetensors_atomic((fs::path(cfg_.out) / "checkpoint.safetensors").string(), all, meta);
 }
 
 int Trainer::stop_requested() const { return par_->agree_stop(stop_signal()); }

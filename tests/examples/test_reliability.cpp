@@ -258,13 +258,18 @@ void send_stop(pid_t pid, int how) {
   if (how == kDoubleInt) ::kill(pid, SIGINT);
 }
 
-// The temporary files in dir (a save in progress when its writer died).
+// The temporary files in dir (a save in progress when its writer died): "<name>.tmp",
+// "<name>.<pid>.tmp", and "checkpoint.safetensors.<pid>" between a checkpoint's two renames.
 std::vector<std::string> temp_files(const fs::path& dir) {
   std::vector<std::string> out;
   std::error_code ec;
+  const std::string ck = "checkpoint.safetensors.";
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string n = e.path().filename().string();
-    if (n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0) out.push_back(n);
+    const bool tmp = n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0;
+    const bool renamed_once = n.rfind(ck, 0) == 0 && n.size() > ck.size() &&
+                              n.find_first_not_of("0123456789", ck.size()) == std::string::npos;
+    if (tmp || renamed_once) out.push_back(n);
   }
   return out;
 }
@@ -416,7 +421,7 @@ KillCounts kill_loop(const std::string& name, const std::vector<int>& plan, int 
       ++n.died[how];
     }
     // A temporary file of this process left behind means the stop hit a save in progress.
-    const std::string pid_tag = std::to_string(pid) + ".tmp";
+    const std::string pid_tag = "." + std::to_string(pid);
     for (const std::string& t : temp_files(run_dir)) n.in_save += t.find(pid_tag) != std::string::npos;
 
     if (!fs::exists(ck)) {
@@ -715,8 +720,10 @@ TEST_CASE("the run lock keeps other processes out, not the holder, and temporary
           "[reliability][rundir][lock]") {
   const fs::path dir = scratch("lock_api");
   write_file(dir / "checkpoint.safetensors.999999.tmp", "stale");
+  write_file(dir / "checkpoint.safetensors.999998", "stale");
   write_file(dir / "metrics.csv.tmp", "stale");
   write_file(dir / "notes.tmp", "mine");
+  write_file(dir / "notes.123", "mine");
   auto other_process_locks = [&] {  // 0: it took the lock; 3: refused with tg::Error saying so
     std::cout.flush();
     const pid_t pid = ::fork();
@@ -734,8 +741,10 @@ TEST_CASE("the run lock keeps other processes out, not the holder, and temporary
   {
     const lm::RunLock a(dir.string());
     CHECK_FALSE(fs::exists(dir / "checkpoint.safetensors.999999.tmp"));  // a dead writer's temporary files go
+    CHECK_FALSE(fs::exists(dir / "checkpoint.safetensors.999998"));
     CHECK_FALSE(fs::exists(dir / "metrics.csv.tmp"));
     CHECK(fs::exists(dir / "notes.tmp"));
+    CHECK(fs::exists(dir / "notes.123"));
     const lm::RunLock b(dir.string());  // the same process (the program, then its trainer): shared
     CHECK(other_process_locks() == 3);
   }
@@ -750,6 +759,16 @@ TEST_CASE("the run lock keeps other processes out, not the holder, and temporary
   CHECK(stamp(f) == s);
   CHECK(lm::write_if_changed(f, "abcd"));
   CHECK(read_file(f) == "abcd");
+  // A checkpoint: core's safetensors writer to a name of this process, renamed over the file.
+  StateDict sd;
+  sd.insert("w", tensor({1.0, 2.0}, {2}));
+  const std::string ck = (dir / "checkpoint.safetensors").string();
+  lm::save_safetensors_atomic(ck, sd, {{"step", "3"}});
+  Metadata meta;
+  CHECK(same_bytes(load_safetensors(ck, &meta), sd));
+  CHECK(meta.at("step") == "3");
+  CHECK_FALSE(fs::exists(ck + "." + std::to_string(::getpid())));
+  CHECK_FALSE(fs::exists(lm::temp_path(ck)));
   fs::remove_all(dir);
 }
 
