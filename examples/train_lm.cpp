@@ -14,6 +14,9 @@
 // Under mpirun (mpirun -np N train_lm ...) the N ranks train one model on slices of each batch and
 // rank 0 alone prints and writes (lm/parallel.h, docs/distributed.md).
 #include <CLI/CLI.hpp>
+#include <unistd.h>
+
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -24,6 +27,9 @@
 #include "lm/checkpoint.h"
 #include "lm/parallel.h"
 #include "lm/report.h"
+#include "lm/resume.h"
+#include "lm/run_dir.h"
+#include "lm/signals.h"
 #include "lm/trainer.h"
 
 namespace fs = std::filesystem;
@@ -34,7 +40,7 @@ namespace {
 struct Options {
   lm::TrainConfig c;
   std::string arch = "gpt", norm = "rmsnorm";
-  bool compare = false, quiet = false, trace = false;
+  bool compare = false, quiet = false, trace = false, overwrite = false;
   int seeds = 1, threads = 0;
   std::string resume;  // a run directory to continue
 };
@@ -53,6 +59,7 @@ CLI::Validator bound(const char* what, double lo, bool lo_open, double hi = INFI
         } catch (const std::exception&) {
           return "not a number: " + s;
         }
+        if (!std::isfinite(v)) return std::string("must be a finite number ") + what + ", got " + s;
         if (lo_open ? !(v > lo) : !(v >= lo)) return std::string("must be ") + what + ", got " + s;
         if (!(v <= hi)) return std::string("must be ") + what + ", got " + s;
         return "";
@@ -62,6 +69,19 @@ CLI::Validator bound(const char* what, double lo, bool lo_open, double hi = INFI
 const CLI::Validator kPositive = bound("> 0", 0, true);
 const CLI::Validator kNonNegative = bound(">= 0", 0, false);
 const CLI::Validator kFraction = bound("in (0, 1]", 0, true, 1);
+// OpenBLAS runs at most 64 threads; more would be cut to 64 without a word.
+constexpr int kMaxThreads = 64;
+
+// An unsigned 64-bit integer written in decimal digits: no sign, no wrap-around.
+const CLI::Validator kSeed(
+    [](std::string& s) -> std::string {
+      std::uint64_t v = 0;
+      const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+      if (s.empty() || s[0] == '+' || ec != std::errc() || end != s.data() + s.size())
+        return "must be an integer in [0, 18446744073709551615], got " + s;
+      return "";
+    },
+    "in [0, 2^64)");
 
 // The model's shape and the run's mode.
 void add_model_options(CLI::App& app, Options& o) {
@@ -78,7 +98,7 @@ void add_model_options(CLI::App& app, Options& o) {
       ->capture_default_str();
   app.add_flag("--compare", o.compare, "train every norm in turn with the same seed, data order and initial weights");
   app.add_option("--seeds", o.seeds, "repeat each run over this many seeds (seed, seed+1, ...)")->check(bound("at least 1", 1, false));
-  app.add_option("--seed", c.seed, "random seed")->capture_default_str();
+  app.add_option("--seed", c.seed, "random seed")->check(kSeed)->capture_default_str();
   app.add_option("--n-layer", c.model.n_layer, "transformer blocks")->check(kPositive)->capture_default_str();
   app.add_option("--n-head", c.model.n_head, "attention heads")->check(kPositive)->capture_default_str();
   app.add_option("--n-embd", c.model.n_embd, "width")->check(kPositive)->capture_default_str();
@@ -93,14 +113,18 @@ void add_training_options(CLI::App& app, Options& o) {
   app.add_option("--lr", c.lr, "peak learning rate")->check(kNonNegative)->capture_default_str();
   app.add_option("--min-lr", c.min_lr, "final learning rate of the cosine decay")->check(kNonNegative)->capture_default_str();
   app.add_option("--warmup", c.warmup, "linear warmup steps")->check(kNonNegative)->capture_default_str();
-  app.add_option("--lr-decay-iters", c.lr_decay_iters, "step where the cosine reaches min-lr (default: --steps)");
+  app.add_option("--lr-decay-iters", c.lr_decay_iters, "step where the cosine reaches min-lr (default: --steps)")
+      ->check(kNonNegative);
   app.add_option("--weight-decay", c.weight_decay, "AdamW weight decay on matrices")->check(kNonNegative)->capture_default_str();
   app.add_option("--grad-clip", c.grad_clip, "clip the global gradient norm (0: off)")->check(kNonNegative)->capture_default_str();
   app.add_option("--steps", c.steps, "total training steps (also when resuming)")->check(kNonNegative)->capture_default_str();
   app.add_option("--eval-interval", c.eval_interval, "steps between evaluations and checkpoints")->check(kPositive)->capture_default_str();
   app.add_option("--eval-iters", c.eval_iters, "batches per split per evaluation")->check(kNonNegative)->capture_default_str();
-  app.add_option("--threads", o.threads, "threads (default: all cores)")->check(bound("at least 1", 1, false));
-  app.add_option("--out", c.out, "output directory (metrics, summary, chart, samples, checkpoints)");
+  app.add_option("--threads", o.threads, "threads (default: all cores)")->check(bound("in [1, 64]", 1, false, kMaxThreads));
+  app.add_option("--out", c.out, "output directory (metrics, summary, chart, samples, checkpoints); refused when it "
+                                 "holds a run already (see --resume, --overwrite)");
+  app.add_flag("--overwrite", o.overwrite, "with --out: delete the run DIR holds (its checkpoint, model, logs and "
+                                           "report; nothing else) and start afresh");
   app.add_option("--resume", o.resume, "continue the run whose checkpoint is in DIR (written by an earlier --out DIR)");
   app.add_option("--sample", c.sample,
                  "characters to generate after training (with --resume of a finished run: without training, on stdout)")
@@ -124,14 +148,39 @@ void add_training_options(CLI::App& app, Options& o) {
                                    "with --out also write it as Graphviz DOT (tape.dot)");
 }
 
+// --help marks the flags a resumed run may change; any other flag given with --resume must equal
+// the run's (lm/resume.h).
+void mark_resume_flags(CLI::App& app) {
+  for (const std::string& f : lm::flags_resume_may_change())
+    if (CLI::Option* opt = app.get_option_no_throw(f)) opt->description(opt->get_description() + " [may change on --resume]");
+  app.footer(
+      "--resume DIR continues the run in DIR with its own configuration. Flags marked [may change on --resume] may be "
+      "given to change it; any other flag given must equal the run's (each difference is listed and refused).\n"
+      "SIGINT or SIGTERM: the step in progress ends, a checkpoint is written, the exit code is 130 or 143; a second "
+      "signal ends the process at once, keeping the last checkpoint. One process at a time writes a run directory.");
+}
+
+// What the flags alone cannot check: combinations.
+void check_combinations(const Options& o, const CLI::App& app) {
+  if (!o.resume.empty() && (o.compare || o.seeds > 1))
+    throw CLI::ValidationError("--resume", "continues one run; not with --compare or --seeds");
+  if (!o.resume.empty() && o.overwrite) throw CLI::ValidationError("--overwrite", "starts a new run; not with --resume");
+  if (!o.resume.empty() && app.count("--out"))
+    throw CLI::ValidationError("--out", "not with --resume: a resumed run writes to its own directory");
+  if (o.resume.empty() && o.c.min_lr > o.c.lr)
+    throw CLI::ValidationError("--min-lr", (std::ostringstream() << o.c.min_lr << " is above --lr " << o.c.lr).str() +
+                                               ": the cosine decays from --lr down to --min-lr");
+  if (o.c.seed > UINT64_MAX - static_cast<std::uint64_t>(o.seeds - 1))
+    throw CLI::ValidationError("--seed", "with --seeds the seeds run from --seed up, past 2^64 - 1");
+}
+
 // Parses the command line into o and checks what the flags alone cannot (the model's own
 // constraints), before anything is printed or read. Returns -1 to go on, else the exit code:
 // 0 after --help, 2 with the reason in `error` (lm::Job::settle_parse prints it).
 int parse(CLI::App& app, Options& o, int argc, char** argv, std::string& error) {
   try {
     app.parse(argc, argv);
-    if (!o.resume.empty() && (o.compare || o.seeds > 1))
-      throw CLI::ValidationError("--resume", "continues one run; not with --compare or --seeds");
+    check_combinations(o, app);
     o.c.model.arch = tg::nn::parse_arch(o.arch);
     tg::nn::GPTConfig check = o.c.model;
     check.vocab_size = 1;
@@ -186,36 +235,79 @@ void trace_one_step(const Options& o) {
   loss.backward();
 }
 
-// Continues the run in o.resume with its own configuration; only the total steps, the corpus
-// path, progress, anomaly detection, gradient checkpointing and sampling come from this command
-// line.
-lm::RunResult resume_run(const Options& o, const CLI::App& app) {
-  lm::TrainConfig r = lm::read_checkpoint_config(o.resume);
-  if (app.count("--steps")) r.steps = o.c.steps;
-  if (app.count("--data")) r.data = o.c.data;
+// The run in o.resume as it continues: its checkpoint's configuration, with what this command line
+// may change (lm/resume.h); any other flag that differs is refused, every rank alike. meta: the
+// checkpoint's metadata.
+lm::TrainConfig resumed_config(const Options& o, const CLI::App& app, tg::Metadata& meta) {
+  std::vector<std::string> notes;
+  lm::TrainConfig r;
+  try {
+    meta = lm::read_checkpoint_meta(o.resume);
+    const std::string file = (fs::path(o.resume) / "checkpoint.safetensors").string();
+    const lm::TrainConfig run = lm::parse_config_json(meta["config"], file);
+    r = lm::resume_config(run, o.c, [&](const std::string& flag) { return app.count(flag) > 0; }, notes);
+  } catch (const tg::Error& e) {
+    throw lm::JobError(e.what());  // every rank reads the same file with the same flags
+  }
   r.out = o.resume;
-  r.progress = o.c.progress;
-  r.detect_anomaly = o.c.detect_anomaly;
-  r.gradient_checkpointing = o.c.gradient_checkpointing;
-  r.sample = o.c.sample;
-  r.prompt = o.c.prompt;
-  r.temperature = o.c.temperature;
-  r.top_k = o.c.top_k;
-  lm::Corpus corpus = lm::load_corpus(r.data, r.model.block_size);
-  std::cerr << "resuming " << o.resume << " (" << tg::nn::to_string(r.model.norm) << ") up to step " << r.steps << "\n";
-  return lm::train(r, corpus, true);
+  for (const std::string& n : notes) std::cerr << n << "\n";
+  return r;
 }
 
-// Samples from the finished run in o.resume without training or writing anything: its
-// checkpoint's weights, configuration and vocabulary; the prompt, then --sample characters, on
-// stdout. False when the run is not finished (it then resumes).
-bool sample_finished_run(const Options& o, const CLI::App& app) {
-  lm::TrainConfig r = lm::read_checkpoint_config(o.resume);
-  if (app.count("--steps")) r.steps = o.c.steps;
-  lm::Checkpoint ck = lm::read_checkpoint(o.resume, r.model);
+// True when dir's report was written after its model (the order a run ends in): model, summary,
+// chart. A report from before the model (a run stopped between the two) is not complete.
+bool report_complete(const fs::path& dir) {
+  std::error_code ec;
+  const auto model = fs::last_write_time(dir / "model.safetensors", ec);
+  if (ec) return false;
+  const auto summary = fs::last_write_time(dir / "summary.md", ec);
+  if (ec) return false;
+  const auto chart = fs::last_write_time(dir / "val_loss.svg", ec);
+  return !ec && model <= summary && summary <= chart;
+}
+
+// True when the run in r.out has nothing left to do: its checkpoint (meta) is at r.steps or
+// beyond, its model was written by the configuration that wrote the checkpoint, and its report
+// after the model.
+bool nothing_to_do(const lm::TrainConfig& r, const tg::Metadata& meta) {
+  const fs::path dir(r.out);
+  if (!report_complete(dir)) return false;
+  tg::Metadata model;
+  try {
+    tg::load_safetensors((dir / "model.safetensors").string(), &model);
+    return static_cast<std::int64_t>(lm::meta_u64(meta, "step", "checkpoint")) >= r.steps &&
+           model["config"] == meta.at("config");
+  } catch (const tg::Error&) {
+    return false;  // the resume itself reports what is wrong
+  }
+}
+
+// Continues the run in r.out; returns its result for the whole run (every evaluation in its
+// metrics.csv), or nothing when this process changed no file of a finished run.
+std::vector<lm::RunResult> resume_run(const lm::TrainConfig& r, const tg::Metadata& meta) {
+  lm::RunLock lock;
+  lm::on_rank0([&] { lock = lm::RunLock(r.out); });
+  lm::Corpus corpus = lm::load_corpus(r.data, r.model.block_size);
+  lm::agree_on_corpus(corpus.path, corpus.content_hash);  // then every rank checks the same vocabulary
+  try {
+    lm::check_vocabulary(meta, (fs::path(r.out) / "checkpoint.safetensors").string(), corpus);
+  } catch (const tg::Error& e) {
+    throw lm::JobError(e.what());
+  }
+  std::cerr << "resuming " << r.out << " (" << tg::nn::to_string(r.model.norm) << ") up to step " << r.steps << "\n";
+  lm::RunResult res = lm::train(r, corpus, true);
+  if (res.step_loss.empty() && !res.model_written && report_complete(r.out)) return {};
+  return {lm::whole_run(res, r.out, static_cast<double>(r.batch_size * r.model.block_size))};
+}
+
+// Samples from the finished run r.out without training or writing anything: its checkpoint's
+// weights, configuration and vocabulary; the prompt, then --sample characters, on stdout. False
+// when the run is not finished (it then resumes).
+bool sample_finished_run(const lm::TrainConfig& r) {
+  lm::Checkpoint ck = lm::read_checkpoint(r.out, r.model);
   if (static_cast<std::int64_t>(lm::meta_u64(ck.meta, "step", ck.file)) < r.steps) return false;
   const lm::Corpus vocab = lm::vocabulary_only(ck.meta["vocab"]);
-  const std::vector<std::int32_t> prompt = vocab.encode(o.c.prompt.empty() ? "\n" : o.c.prompt);
+  const std::vector<std::int32_t> prompt = vocab.encode(r.prompt.empty() ? "\n" : r.prompt);
   if (prompt.empty()) tg::fail("prompt", "is empty");
   tg::nn::GPT model(r.model);
   tg::StateDict weights;
@@ -223,7 +315,7 @@ bool sample_finished_run(const Options& o, const CLI::App& app) {
     if (k.rfind("model.", 0) == 0) weights.insert(k.substr(6), t);
   model.load_state_dict(weights);
   tg::Generator g(r.seed + 2);
-  const auto ids = model.generate(prompt, o.c.sample, o.c.temperature, o.c.top_k, &g);
+  const auto ids = model.generate(prompt, r.sample, r.temperature, r.top_k, &g);
   if (lm::job_rank() == 0) std::cout << vocab.decode(prompt) << vocab.decode(ids) << std::endl;
   return true;
 }
@@ -232,6 +324,8 @@ bool sample_finished_run(const Options& o, const CLI::App& app) {
 // each has its own directory under --out: <norm>/ with --compare, seed<N>/ with --seeds.
 std::vector<lm::RunResult> train_runs(const Options& o, const std::vector<tg::nn::NormKind>& kinds) {
   const lm::TrainConfig& c = o.c;
+  lm::RunLock lock;  // the whole directory, for every run under it
+  if (!c.out.empty()) lm::on_rank0([&] { lock = lm::claim_new_run(c.out, o.overwrite); });
   lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
   std::cerr << "corpus " << c.data << ": " << corpus.train.size() + corpus.val.size() << " characters, vocabulary "
             << corpus.vocab_size() << "; " << tg::get_num_threads() << " threads"
@@ -268,27 +362,52 @@ std::string settings_line(const lm::TrainConfig& s0) {
 
 // The metrics of every run in one file, with a seed column (several runs only).
 void write_combined_metrics(const fs::path& file, const std::vector<lm::RunResult>& runs) {
-  std::ofstream all(file);
+  std::ostringstream all;
   all << "step,norm,seed,train_loss,val_loss,lr,ms_per_step,tokens_per_s\n";
   for (const auto& r : runs)
     for (const auto& e : r.evals)
       all << e.step << ',' << r.norm << ',' << r.seed << ',' << e.train_loss << ',' << e.val_loss << ',' << e.lr << ','
           << e.ms_per_step << ',' << e.tokens_per_s << '\n';
+  lm::write_if_changed(file.string(), all.str());
 }
 
-// The summary table on stdout; with an output directory also summary.md, the val-loss chart and,
-// for several runs, the combined metrics.csv.
-void write_report(const Options& o, const std::vector<lm::RunResult>& runs) {
+// Where summary.md says every step is logged.
+std::string step_log_name(const Options& o) {
+  std::string name = "train_log.csv";
+  if (o.seeds > 1) name = "seed<N>/" + name;
+  if (o.compare) name = "<norm>/" + name;
+  return name;
+}
+
+// The summary table on stdout; in the run directory top also summary.md, the val-loss chart and,
+// for several runs, the combined metrics.csv (each file rewritten only when its text changed).
+void write_report(const Options& o, const lm::TrainConfig& settings, const fs::path& top,
+                  const std::vector<lm::RunResult>& runs) {
   if (lm::job_rank() != 0) return;  // rank 0 writes for the job
   std::cout << "\n" << lm::summary_table(runs);
-  const fs::path top = o.resume.empty() ? fs::path(o.c.out) : fs::path(o.resume);
   if (top.empty()) return;
   fs::create_directories(top);
-  std::ofstream(top / "summary.md") << lm::summary_markdown(runs, settings_line(o.c));
+  lm::write_if_changed((top / "summary.md").string(),
+                       lm::summary_markdown(runs, settings_line(settings), step_log_name(o)));
   const std::string arch = runs.empty() ? o.arch : runs.front().arch;
-  std::ofstream(top / "val_loss.svg") << lm::val_loss_svg(runs, "Validation loss by normalisation (" + arch + ")");
+  lm::write_if_changed((top / "val_loss.svg").string(),
+                       lm::val_loss_svg(runs, "Validation loss by normalisation (" + arch + ")"));
   if (o.compare || o.seeds > 1) write_combined_metrics(top / "metrics.csv", runs);
   std::cout << "\nsummary: " << (top / "summary.md").string() << "\nchart:   " << (top / "val_loss.svg").string() << "\n";
+}
+
+// --resume: sample a finished run, leave one with nothing to do as it is, or continue it.
+void resume(const Options& o, const CLI::App& app) {
+  tg::Metadata meta;
+  const lm::TrainConfig r = resumed_config(o, app, meta);
+  if (r.sample > 0 && sample_finished_run(r)) return;
+  if (nothing_to_do(r, meta)) {
+    std::cerr << "the run in " << r.out << " is finished (step " << r.steps
+              << " reached): nothing to do; --steps N continues it, --sample N samples it\n";
+    return;
+  }
+  const std::vector<lm::RunResult> runs = resume_run(r, meta);
+  if (!runs.empty()) write_report(o, r, r.out, runs);
 }
 
 // Runs the chosen mode. Errors propagate to main.
@@ -298,17 +417,24 @@ void run(Mode mode, const Options& o, const CLI::App& app) {
   std::vector<lm::RunResult> runs;
   switch (mode) {
     case Mode::trace: trace_one_step(o); return;
-    case Mode::resume:
-      if (o.c.sample > 0 && sample_finished_run(o, app)) return;
-      runs.push_back(resume_run(o, app));
-      break;
+    case Mode::resume: resume(o, app); return;
     case Mode::train: runs = train_runs(o, {o.c.model.norm}); break;
     case Mode::compare:
       runs = train_runs(o, {NormKind::layernorm, NormKind::rmsnorm, NormKind::prmsnorm, NormKind::batchnorm,
                             NormKind::none});
       break;
   }
-  write_report(o, runs);
+  write_report(o, o.c, o.c.out, runs);
+}
+
+// The line a run stopped by SIGINT or SIGTERM ends with (rank 0), and its exit code.
+int report_interrupted(const lm::Interrupted& e) {
+  if (lm::job_rank() == 0) {
+    if (isatty(STDERR_FILENO)) std::cerr << "\n";  // ends the progress line
+    if (e.dir().empty()) std::cerr << "interrupted at step " << e.step() << "; nothing saved (no --out)" << std::endl;
+    else std::cerr << "interrupted at step " << e.step() << "; resume with: train_lm --resume " << e.dir() << std::endl;
+  }
+  return e.exit_code();
 }
 
 }  // namespace
@@ -326,13 +452,17 @@ int main(int argc, char** argv) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   add_model_options(app, o);
   add_training_options(app, o);
+  mark_resume_flags(app);
   std::string error;
   if (const int rc = job.settle_parse(parse(app, o, argc, argv, error), error); rc >= 0) return rc;
 
+  lm::StopOnSignal stop;  // SIGINT, SIGTERM: a checkpoint at the end of the step, then lm::Interrupted
   try {
     lm::agree("options", options_text(o));  // ranks given different command lines stop here
     run(pick_mode(o), o, app);
     return 0;
+  } catch (const lm::Interrupted& e) {
+    return report_interrupted(e);
   } catch (const tg::Error& e) {
     return job.fail(e, 2);  // under mpirun, an error of one rank alone ends the job
   } catch (const std::exception& e) {

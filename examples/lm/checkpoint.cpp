@@ -116,13 +116,18 @@ double meta_double(const Metadata& meta, const std::string& key, const std::stri
   return out;  // NaN allowed: best_val before the first evaluation
 }
 
-TrainConfig read_checkpoint_config(const std::string& dir) {
+Metadata read_checkpoint_meta(const std::string& dir) {
   Metadata meta;
   const fs::path ck = fs::path(dir) / "checkpoint.safetensors";
   if (!fs::exists(ck)) fail("resume", "no checkpoint in '", dir, "' (expected ", ck.string(), ")");
   load_safetensors(ck.string(), &meta);
   if (meta["format"] != kCheckpointFormat) fail("resume", ck.string(), " is not a train_lm checkpoint");
-  return parse_config_json(meta_value(meta, "config", ck.string()), ck.string());
+  return meta;
+}
+
+TrainConfig read_checkpoint_config(const std::string& dir) {
+  const std::string file = (fs::path(dir) / "checkpoint.safetensors").string();
+  return parse_config_json(meta_value(read_checkpoint_meta(dir), "config", file), file);
 }
 
 TrainConfig parse_config_json(const std::string& text, const std::string& file) {
@@ -133,10 +138,25 @@ TrainConfig parse_config_json(const std::string& text, const std::string& file) 
   }
 }
 
-Checkpoint read_checkpoint(const std::string& dir, const nn::GPTConfig& model) {
+void check_vocabulary(const Metadata& meta, const std::string& file, const Corpus& corpus) {
+  const auto it = meta.find("vocab");
+  if (it == meta.end()) fail("resume", file, " has no 'vocab' entry");
+  if (it->second == corpus.vocab_utf8()) return;
+  std::string theirs = "?";
+  try {
+    theirs = std::to_string(vocabulary_only(it->second).vocab_size());
+  } catch (const Error&) {  // a damaged entry: the count stays unknown
+  }
+  fail("resume", "the corpus '", corpus.path, "' has another vocabulary (", corpus.vocab_size(),
+       " characters) than the run's checkpoint ", file, " (", theirs,
+       " characters): a run continues on the corpus it started with");
+}
+
+Checkpoint read_checkpoint(const std::string& dir, const nn::GPTConfig& model, const Corpus* corpus) {
   Checkpoint ck;
   ck.file = (fs::path(dir) / "checkpoint.safetensors").string();
   ck.tensors = load_safetensors(ck.file, &ck.meta);
+  if (corpus) check_vocabulary(ck.meta, ck.file, *corpus);
   nn::upgrade_state_dict(ck.tensors, model.arch, "model.");  // the names of earlier versions
   auto expect = [&](const std::string& key, const Shape& shape) {
     if (!ck.tensors.contains(key)) fail("resume", ck.file, " has no tensor '", key, "'");

@@ -24,8 +24,16 @@ struct Checkpoint {
 
 // Reads dir/checkpoint.safetensors and holds its tensors against the model configuration (vocabulary,
 // context, width, number of blocks), so that a damaged configuration (n_layer 4294967296, n_embd 1e9)
-// is refused before anything is allocated for it.
-Checkpoint read_checkpoint(const std::string& dir, const tg::nn::GPTConfig& model);
+// is refused before anything is allocated for it. Given the corpus, first refuses a vocabulary
+// other than the checkpoint's, saying so (not as a tensor's shape).
+Checkpoint read_checkpoint(const std::string& dir, const tg::nn::GPTConfig& model, const Corpus* corpus = nullptr);
+
+// The metadata of dir/checkpoint.safetensors, checked to be a train_lm checkpoint's (tg::Error
+// naming the file otherwise, or when there is none).
+tg::Metadata read_checkpoint_meta(const std::string& dir);
+
+// Refuses (tg::Error, saying so) a corpus whose vocabulary is not the one in a checkpoint's metadata.
+void check_vocabulary(const tg::Metadata& meta, const std::string& file, const Corpus& corpus);
 
 // The model's state dict as the PyTorch reference's safetensors save_model writes it: every
 // parameter and buffer under its own name, a tied head (gpt) once, as head.weight (save_model keeps

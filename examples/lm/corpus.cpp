@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -48,16 +49,44 @@ bool decode_utf8(const std::string& s, std::vector<char32_t>& out) {
 }
 }  // namespace
 
-Corpus load_corpus(const std::string& path, std::int64_t block_size) {
+std::uint64_t fnv1a64(const std::string& bytes) {
+  std::uint64_t h = 14695981039346656037ull;
+  for (const char c : bytes) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+
+namespace {
+// The bytes of a regular file of at most kMaxCorpusBytes; what stat(2) reports is what is read,
+// so a device or a growing file never makes the reader allocate without bound.
+std::string read_corpus_bytes(const std::string& path) {
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  if (ec || !std::filesystem::exists(st)) tg::fail("data", "cannot open '", path, "': no such file");
+  if (std::filesystem::is_directory(st)) tg::fail("data", "'", path, "' is a directory; give a text file");
+  if (!std::filesystem::is_regular_file(st))
+    tg::fail("data", "'", path, "' is not a regular file (a device, pipe or socket); give a text file");
+  const std::uintmax_t size = std::filesystem::file_size(path, ec);
+  if (ec) tg::fail("data", "cannot read the size of '", path, "': ", ec.message());
+  if (size > kMaxCorpusBytes)
+    tg::fail("data", "'", path, "' is ", size, " bytes; the character-level reader takes at most ", kMaxCorpusBytes);
   std::ifstream f(path, std::ios::binary);
   if (!f) tg::fail("data", "cannot open '", path, "'");
-  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::string bytes(static_cast<std::size_t>(size), '\0');
+  f.read(bytes.data(), static_cast<std::streamsize>(size));
+  bytes.resize(static_cast<std::size_t>(f.gcount()));  // a file that shrank meanwhile
+  return bytes;
+}
+}  // namespace
+
+Corpus load_corpus(const std::string& path, std::int64_t block_size) {
+  const std::string bytes = read_corpus_bytes(path);
   if (bytes.empty()) tg::fail("data", "'", path, "' is empty");
   if (bytes.find('\0') != std::string::npos) tg::fail("data", "'", path, "' looks binary (contains NUL bytes); need UTF-8 text");
   std::vector<char32_t> text;
   if (!decode_utf8(bytes, text)) tg::fail("data", "'", path, "' is not valid UTF-8 text");
   Corpus c;
   c.path = path;
+  c.content_hash = fnv1a64(bytes);
   std::set<char32_t> chars(text.begin(), text.end());
   c.vocab.assign(chars.begin(), chars.end());
   const auto n = static_cast<std::int64_t>(text.size());

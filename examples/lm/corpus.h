@@ -13,6 +13,7 @@ namespace lm {
 
 struct Corpus {
   std::string path;
+  std::uint64_t content_hash = 0;    // FNV-1a (64-bit) of the file's bytes: ranks compare it
   std::vector<char32_t> vocab;       // sorted code points; token id = index
   std::vector<std::int32_t> train, val;
   std::int64_t vocab_size() const { return static_cast<std::int64_t>(vocab.size()); }
@@ -22,9 +23,15 @@ struct Corpus {
   std::string vocab_utf8() const;    // the vocabulary as one UTF-8 string (stored in checkpoints)
 };
 
-// Throws tg::Error with a one-line reason for a missing, empty, binary (NUL bytes or invalid
-// UTF-8) or too short file (each split needs more than block_size + 1 characters).
+// Throws tg::Error with a one-line reason for a missing file, a directory or any other file that is
+// not a regular file (a device such as /dev/zero, a pipe), a file over kMaxCorpusBytes, an empty,
+// binary (NUL bytes or invalid UTF-8) or too short file (each split needs more than
+// block_size + 1 characters).
+inline constexpr std::uint64_t kMaxCorpusBytes = std::uint64_t(1) << 30;
 Corpus load_corpus(const std::string& path, std::int64_t block_size);
+
+// FNV-1a, 64-bit (offset basis 14695981039346656037, prime 1099511628211) of bytes.
+std::uint64_t fnv1a64(const std::string& bytes);
 
 std::string encode_utf8(char32_t c);
 

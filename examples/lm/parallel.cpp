@@ -7,6 +7,7 @@
 #include <cstring>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <csignal>
 #include <optional>
 #include <thread>
 
@@ -162,6 +163,33 @@ void agree(const char* what, const std::string& mine) {
   fail_job(what, difference(first, theirs, odd[0]), "; every rank of the job must run the same command");
 }
 
+void on_rank0(const std::function<void()>& f) {
+  std::string error;
+  if (dist::rank() == 0) {
+    try {
+      f();
+    } catch (const tg::Error& e) {
+      if (dist::world_size() == 1) throw;
+      error = e.what();
+    }
+  }
+  if (dist::world_size() == 1) return;
+  const std::string text = broadcast_text(error, 0);
+  if (!text.empty()) throw JobError(text);
+}
+
+void agree_on_corpus(const std::string& path, std::uint64_t hash) {
+  if (dist::world_size() == 1) return;
+  char mine[24];
+  std::snprintf(mine, sizeof mine, "%016llx", static_cast<unsigned long long>(hash));
+  const std::string first = broadcast_text(mine, 0);
+  const std::vector<int> odd = ranks_where(mine != first);
+  if (odd.empty()) return;
+  const std::string theirs = broadcast_text(mine, odd[0]);
+  fail_job("data", "rank ", odd[0], " read other bytes from '", path, "' than rank 0 (FNV-1a ", theirs, ", rank 0: ",
+           first, "); every rank must train on the same corpus");
+}
+
 std::string with_keys(const std::string& json_object, const std::vector<std::pair<std::string, std::string>>& keys) {
   json j = json::parse(json_object);
   for (const auto& [k, v] : keys) j[k] = v;
@@ -229,6 +257,15 @@ double DataParallel::mean(double v) const { return dist::all_reduce(v, dist::Red
 void DataParallel::finish_gradients() {
   impl_->ddp.finish_gradient_sync();
   if (impl_->size > 1) impl_->steps.push_back(impl_->ddp.last_stats());
+}
+
+int DataParallel::agree_stop(int mine) const {
+  if (impl_->size == 1) return mine;
+  tg::Tensor f = tg::zeros({2}, tg::DType::f64);
+  f.data<double>()[0] = mine == SIGINT ? 1 : 0;
+  f.data<double>()[1] = mine == SIGTERM ? 1 : 0;
+  dist::all_reduce(f);
+  return f.data<double>()[1] > 0 ? SIGTERM : f.data<double>()[0] > 0 ? SIGINT : 0;
 }
 
 void DataParallel::set_sync(bool on) {

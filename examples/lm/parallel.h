@@ -17,6 +17,7 @@
 // and ends the whole job (MPI_Abort) after one line naming the rank.
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -76,6 +77,14 @@ class Job {
 // key by key, and the message names the first key that differs and the rank).
 void agree(const char* what, const std::string& mine);
 
+// Runs f on rank 0 alone (what only rank 0 does: take the run directory); a tg::Error it throws
+// is raised on every rank as a JobError with its text, reported once.
+void on_rank0(const std::function<void()>& f);
+
+// Throws JobError on every rank unless every rank read the same corpus bytes (hash: FNV-1a of the
+// file, lm::Corpus::content_hash); the message names the first rank whose bytes differ.
+void agree_on_corpus(const std::string& path, std::uint64_t hash);
+
 // A JSON object's text with more keys, of string values (what agree() compares).
 std::string with_keys(const std::string& json_object, const std::vector<std::pair<std::string, std::string>>& keys);
 
@@ -121,6 +130,10 @@ class DataParallel {
   double mean(double v) const;
   // After backward: every gradient averaged over the ranks; notes the step's communication.
   void finish_gradients();
+  // The signal that stops the job after this step: 0 when no rank received SIGINT or SIGTERM
+  // (mine: this rank's, lm::stop_signal()), else SIGTERM when any rank received it, else SIGINT.
+  // Every rank calls it once per step, so all stop at the same step.
+  int agree_stop(int mine) const;
   // While a Local lives, backward stays on this rank (a re-run to locate a NaN).
   class Local {
    public:

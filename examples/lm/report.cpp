@@ -68,13 +68,14 @@ std::string summary_table(const std::vector<RunResult>& runs) {
   return s.str();
 }
 
-std::string summary_markdown(const std::vector<RunResult>& runs, const std::string& settings) {
+std::string summary_markdown(const std::vector<RunResult>& runs, const std::string& settings,
+                             const std::string& step_log) {
   std::ostringstream s;
   const std::string arch = runs.empty() ? "gpt" : runs.front().arch;
   s << "# Norm comparison: character-level " << (arch == "llama" ? "LLaMA-style transformer (llama)" : "GPT (gpt)")
     << "\n\n" << settings << "\n\n" << summary_table(runs) << "\n";
-  s << "Chart of the validation loss: `val_loss.svg`. Every evaluation: `metrics.csv`; every step: "
-       "`<norm>/train_log.csv`.\n\n"
+  s << "Chart of the validation loss: `val_loss.svg`. Every evaluation: `metrics.csv`; every step: `" << step_log
+    << "`.\n\n"
     << "## Reading this table\n\n"
     << "- Losses are mean cross-entropy in nats per character, estimated on the same fixed batches for every "
        "norm; ms/step is the median step time after the first 10 steps, and tokens/s follows from it.\n"

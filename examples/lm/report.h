@@ -13,8 +13,10 @@ std::pair<double, double> mean_sd(const std::vector<double>& v);
 
 // One row per norm (runs of several seeds pooled): the table as Markdown.
 std::string summary_table(const std::vector<RunResult>& runs);
-// summary.md: the table, the settings, the reading notes (BatchNorm's statistics, seeds).
-std::string summary_markdown(const std::vector<RunResult>& runs, const std::string& settings);
+// summary.md: the table, the settings, the reading notes (BatchNorm's statistics, seeds); step_log
+// names where every step is logged, relative to summary.md.
+std::string summary_markdown(const std::vector<RunResult>& runs, const std::string& settings,
+                             const std::string& step_log = "<norm>/train_log.csv");
 // An SVG line chart of val loss against step, one curve per norm (mean over seeds), with axes,
 // ticks, grid and a legend.
 std::string val_loss_svg(const std::vector<RunResult>& runs, const std::string& title);

@@ -15,6 +15,8 @@
 #include "tapegrad/anomaly.h"
 #include "tapegrad/autocast.h"
 #include "tapegrad/checkpoint.h"
+#include "lm/run_dir.h"
+#include "lm/signals.h"
 
 namespace lm {
 
@@ -75,21 +77,10 @@ double estimate_loss(nn::GPT& model, const std::vector<std::int32_t>& split, con
   return par.mean(s) / static_cast<double>(c.eval_iters);
 }
 
-void write_atomic(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) fail("train", "cannot write ", tmp.string());
-    f << text;
-    f.flush();
-    if (!f) fail("train", "cannot write ", tmp.string());
-  }
-  fs::rename(tmp, path);
-}
-
 // Opens a CSV log for appending. A fresh run starts it with just its header. A resumed run keeps
 // the rows up to the checkpoint's step, so that the rows the stopped process wrote after its last
-// checkpoint are not repeated; a torn last row (a kill mid-write) is dropped too.
+// checkpoint are not repeated; a torn last row (a kill mid-write) is dropped too. A file that already
+// holds exactly those rows is left untouched.
 std::ofstream open_log(const fs::path& file, const char* header, bool resume, std::int64_t upto) {
   std::string kept = std::string(header) + "\n";
   if (resume) {
@@ -105,7 +96,7 @@ std::ofstream open_log(const fs::path& file, const char* header, bool resume, st
         kept += line + "\n";
     }
   }
-  write_atomic(file, kept);
+  write_if_changed(file.string(), kept);
   return std::ofstream(file, std::ios::app);
 }
 
@@ -159,11 +150,12 @@ Trainer::Trainer(const TrainConfig& cfg, const Corpus& corpus, bool resume)
       norm_(nn::to_string(cfg_.model.norm)),
       schedule_(cfg_.lr, cfg_.min_lr, cfg_.warmup, cfg_.lr_decay_iters),
       batch_gen_(batch_seed(cfg_.seed)) {
+  agree_on_corpus(corpus_.path, corpus_.content_hash);  // ranks that read other bytes stop here
   Checkpoint ck;
-  if (resume_) ck = read_checkpoint(cfg_.out, cfg_.model);  // checked before anything is built
+  if (resume_) ck = read_checkpoint(cfg_.out, cfg_.model, &corpus_);  // checked before anything is built
   DataParallel::only_rank0_writes(cfg_);
+  if (!cfg_.out.empty()) lock_ = RunLock(cfg_.out);  // creates the directory; one writer at a time
   build_model();
-  if (!cfg_.out.empty()) fs::create_directories(cfg_.out);
   if (resume_) restore(ck);
   par_ = std::make_unique<DataParallel>(*model_, cfg_, step_, batch_gen_);  // refuses ranks that differ
   r_.start_step = step_;
@@ -199,8 +191,6 @@ void Trainer::build_model() {
 void Trainer::restore(Checkpoint& ck) {
   Metadata& meta = ck.meta;
   if (meta["format"] != kCheckpointFormat) fail("resume", ck.file, " is not a train_lm checkpoint");
-  if (meta["vocab"] != corpus_.vocab_utf8())
-    fail("resume", "the corpus '", corpus_.path, "' has a different vocabulary from the checkpoint's");
   StateDict msd, osd;
   for (const auto& [k, t] : ck.tensors) {  // model names already upgraded by read_checkpoint
     if (k.rfind("model.", 0) == 0) msd.insert(k.substr(6), t);
@@ -304,8 +294,11 @@ void Trainer::checkpoint() {
                 {"rng_seed", std::to_string(default_generator().seed())},
                 {"rng_offset", std::to_string(default_generator().offset())},
                 {"best_val", exact(r_.best_val)}};
-  save_safetensors((fs::path(cfg_.out) / "checkpoint.safetensors").string(), all, meta);  // tmp, fsync, rename
+  // a temporary file of this process, fsync, rename
+  save_safetensors_atomic((fs::path(cfg_.out) / "checkpoint.safetensors").string(), all, meta);
 }
+
+int Trainer::stop_requested() const { return par_->agree_stop(stop_signal()); }
 
 // ---- report ----
 
@@ -366,29 +359,38 @@ void Trainer::sample() {
       cfg_.prompt.empty() ? std::vector<std::int32_t>{corpus_.train[0]} : corpus_.encode(cfg_.prompt);
   auto ids = model_->generate(prompt, cfg_.sample, cfg_.temperature, cfg_.top_k, &g);
   r_.sample_text = corpus_.decode(prompt) + corpus_.decode(ids);
-  if (!cfg_.out.empty()) write_atomic(fs::path(cfg_.out) / "samples.txt", r_.sample_text + "\n");
+  if (!cfg_.out.empty()) write_atomic((fs::path(cfg_.out) / "samples.txt").string(), r_.sample_text + "\n");
 }
 
 void Trainer::save_model() {
   if (cfg_.out.empty()) return;
-  save_safetensors((fs::path(cfg_.out) / "model.safetensors").string(), export_state_dict(*model_),
-                   {{"format", kModelFormat}, {"config", config_json(cfg_)}, {"vocab", corpus_.vocab_utf8()}});
+  const Metadata meta{{"format", kModelFormat}, {"config", config_json(cfg_)}, {"vocab", corpus_.vocab_utf8()}};
+  r_.model_written = write_if_changed((fs::path(cfg_.out) / "model.safetensors").string(),
+                                      to_safetensors_bytes(export_state_dict(*model_), meta));
 }
 
 // ---- the whole run ----
 
+// A SIGINT or SIGTERM (lm/signals.h) ends the step in progress, then the run after a checkpoint:
+// the evaluation and checkpoint due at that step, or a checkpoint alone. At the last step the run
+// finishes instead: its final checkpoint is written already.
 RunResult train(const TrainConfig& cfg, const Corpus& corpus, bool resume) {
   Trainer t(cfg, corpus, resume);
   while (!t.done()) {
     t.train_step();
     t.report_progress();
-    if (!t.eval_due()) continue;
-    if (cfg.eval_iters > 0) t.report_metrics(t.evaluate());
-    t.checkpoint();
+    const int stop = t.stop_requested();
+    if (t.eval_due()) {
+      if (cfg.eval_iters > 0) t.report_metrics(t.evaluate());
+      t.checkpoint();
+    } else if (stop) {
+      t.checkpoint();
+    }
+    if (stop && !t.done()) throw Interrupted(stop, t.step(), cfg.checkpoints ? t.out() : std::string());
   }
   t.finish();
   t.sample();
-  t.save_model();
+  t.save_model();  // unchanged bytes (a finished run resumed) leave the file untouched
   return t.result();
 }
 

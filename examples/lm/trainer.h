@@ -12,7 +12,7 @@
 //     if (!t.eval_due()) continue;
 //     if (cfg.eval_iters > 0) t.report_metrics(t.evaluate());  // losses -> metrics.csv
 //     t.checkpoint();                  // everything needed to continue, written atomically
-//   }
+//   }                                  // (a SIGINT/SIGTERM: a checkpoint, then lm::Interrupted)
 //   t.finish();                        // median step time, peak memory, final losses
 //   t.sample();                        // some generated text
 //   t.save_model();                    // the final weights
@@ -29,6 +29,7 @@
 #include "lm/corpus.h"
 #include "lm/parallel.h"
 #include "tapegrad/memory.h"
+#include "lm/run_dir.h"
 
 namespace lm {
 
@@ -80,6 +81,7 @@ struct RunResult {
   std::int64_t start_step = 0;
   int world_size = 1;             // ranks of a data-parallel run (mpirun -np N; lm/parallel.h)
   CommSummary comm;               // its gradient communication per step (zeros in one process)
+  bool model_written = false;     // model.safetensors written (false: it held these bytes already)
 };
 
 // One training run, step by step. Every step throws tg::Error on bad configuration, data or
@@ -114,6 +116,12 @@ class Trainer {
   // rows it vouches for. Nothing without an output directory or with checkpoints off.
   void checkpoint();
 
+  // The signal that stops the run after this step (lm/signals.h), agreed by every rank of the job;
+  // 0: go on. Every rank calls it once per step.
+  int stop_requested() const;
+  // The run directory this process writes ("" on ranks other than 0, or without one).
+  const std::string& out() const { return cfg_.out; }
+
   // The live progress line (step, loss, lr, tokens/s, ETA), on a terminal only: redrawn every 10
   // steps and at every evaluation.
   void report_progress();
@@ -139,6 +147,7 @@ class Trainer {
   double median_ms() const;
 
   TrainConfig cfg_;
+  RunLock lock_;                     // on the run directory, while this process writes it
   const Corpus& corpus_;
   bool resume_;
   std::string norm_;
@@ -160,7 +169,9 @@ class Trainer {
 };
 
 // Trains from scratch, or resumes from cfg.out's checkpoint when resume is true: a Trainer taken
-// through its steps in order. Throws tg::Error on bad configuration, data or checkpoint.
+// through its steps in order. Throws tg::Error on bad configuration, data or checkpoint, and
+// lm::Interrupted after the checkpoint a SIGINT or SIGTERM asked for (while an lm::StopOnSignal
+// lives). A finished run resumed without new steps leaves every file as it is.
 RunResult train(const TrainConfig& cfg, const Corpus& corpus, bool resume = false);
 
 // The configuration stored in a run directory's checkpoint (for --resume).

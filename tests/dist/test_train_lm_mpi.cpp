@@ -6,7 +6,9 @@
 //  - faults: a rank killed with SIGKILL ends the job within 30 s and its last checkpoint resumes
 //    in one process; an exception on one rank ends the job with one line naming the rank; ranks
 //    given different options, or a batch size that does not divide by the ranks, are refused
-//    with one line before training.
+//    with one line before training; ranks that read different corpus bytes at the same path are
+//    refused with one line naming the rank;
+//  - signals: SIGTERM to one rank stops every rank at the same step, after a checkpoint there.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -284,10 +286,10 @@ TEST_CASE("a rank killed with SIGKILL ends the job within 30 s, and the last che
 TEST_CASE("an exception on one rank ends the job within 30 s with one line naming the rank") {
   const fs::path d = scratch("throw");
   const std::string corpus = lmtest::make_corpus(d);
-  // Rank 0 alone writes checkpoints: a directory where its temporary file goes makes the first
-  // save throw on rank 0 only, while rank 1 goes on to the next step's reduction.
+  // Rank 0 alone writes checkpoints: a directory (not empty) where its checkpoint goes makes the
+  // first save's rename throw on rank 0 only, while rank 1 goes on to the next step's reduction.
   const fs::path out = d / "run", log = d / "run.log";
-  fs::create_directories(out / "checkpoint.safetensors.tmp");
+  fs::create_directories(out / "checkpoint.safetensors" / "in_the_way");
   const auto t0 = Clock::now();
   const int rc = run(mpirun(2, tiny(corpus) + std::vector<std::string>{"--steps", "1000000", "--eval-interval", "10",
                                                                       "--out", out.string()}),
@@ -299,7 +301,7 @@ TEST_CASE("an exception on one rank ends the job within 30 s with one line namin
   const auto errors = lines_starting(log, "train_lm: error");
   REQUIRE(errors.size() == 1);
   CHECK(errors[0].rfind("train_lm: error: rank 0: ", 0) == 0);
-  CHECK(errors[0].find("checkpoint.safetensors.tmp") != std::string::npos);
+  CHECK(errors[0].find("to '" + (out / "checkpoint.safetensors").string() + "' failed") != std::string::npos);
   fs::remove_all(d);
 }
 
@@ -332,5 +334,65 @@ TEST_CASE("ranks given different options, or a batch that does not split, are re
     CHECK(errors[0].rfind(c.says, 0) == 0);
     CHECK_FALSE(fs::exists(d / "out" / "train_log.csv"));  // nothing trained
   }
+  fs::remove_all(d);
+}
+
+TEST_CASE("ranks that read different bytes at the same path are refused with one line naming the rank") {
+  const fs::path d = scratch("corpus");
+  // Two directories, each with its own corpus.txt: the same vocabulary, other text. Each rank
+  // starts in one of them (mpirun's -wdir), so --data corpus.txt names a different file on each.
+  for (const auto& [sub, seed] : {std::pair<const char*, std::uint64_t>{"a", 3}, {"b", 4}}) {
+    fs::create_directories(d / sub);
+    lmtest::make_corpus(d / sub, 6000, seed);
+  }
+  REQUIRE(lm::load_corpus((d / "a" / "corpus.txt").string(), 32).vocab ==
+          lm::load_corpus((d / "b" / "corpus.txt").string(), 32).vocab);
+  const auto args = tiny("corpus.txt") + std::vector<std::string>{"--steps", "20", "--out", (d / "out").string()};
+  const auto cmd = std::vector<std::string>{kMpirun, "--oversubscribe", "--bind-to", "none", "-np", "1", "-wdir",
+                                            (d / "a").string(), kTrainLm} +
+                   args + std::vector<std::string>{":", "-np", "1", "-wdir", (d / "b").string(), kTrainLm} + args;
+  const fs::path log = d / "refused.log";
+  const int rc = run(cmd, log, 60);
+  INFO(read_file(log));
+  CHECK(rc == 2);
+  const auto errors = lines_starting(log, "train_lm: error");
+  REQUIRE(errors.size() == 1);
+  CHECK(errors[0].rfind("train_lm: error: data: rank 1 read other bytes from 'corpus.txt' than rank 0", 0) == 0);
+  CHECK_FALSE(fs::exists(d / "out" / "train_log.csv"));  // nothing trained
+  fs::remove_all(d);
+}
+
+TEST_CASE("SIGTERM to one rank stops every rank at the same step, after a checkpoint there") {
+  const fs::path d = scratch("sigterm");
+  const std::string corpus = lmtest::make_corpus(d);
+  // No checkpoint on the cadence: the one the signal asks for is the only one.
+  const auto args = tiny(corpus) + std::vector<std::string>{"--steps", "1000000", "--lr-decay-iters", "2000",
+                                                            "--eval-interval", "1000000"};
+  const fs::path out = d / "run", log = d / "run.log";
+  const pid_t job = spawn(mpirun(2, args + std::vector<std::string>{"--out", out.string()}), log);
+  const auto t0 = Clock::now();
+  std::error_code ec;
+  while (!(fs::exists(out / "train_log.csv", ec) && fs::file_size(out / "train_log.csv", ec) > 2000) &&
+         std::chrono::duration<double>(Clock::now() - t0).count() < 120)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const std::map<int, pid_t> ranks = ranks_of(job);
+  REQUIRE(ranks.size() == 2);
+  REQUIRE(::kill(ranks.at(1), SIGTERM) == 0);  // rank 1 alone is signalled; rank 0 writes
+  const int rc = wait_for(job, 60, log);
+  INFO(read_file(log));
+  CHECK(rc != 0);
+  for (const auto& [rank, pid] : ranks) CHECK_FALSE(alive(pid));
+  const auto said = lines_starting(log, "interrupted at step ");
+  REQUIRE(said.size() == 1);  // rank 0 says it, once
+  CHECK(said[0].find("; resume with: train_lm --resume " + out.string()) != std::string::npos);
+  const std::int64_t at = std::stoll(said[0].substr(20));
+  CHECK(std::stoll(checkpoint_meta(out).at("step")) == at);
+  CHECK(losses(out).size() == static_cast<std::size_t>(at));
+  // Continued in one process for 10 steps: the losses of a run never stopped.
+  const std::string until = std::to_string(at + 10);
+  REQUIRE(run(alone({"--resume", out.string(), "--steps", until, "--threads", "1", "--quiet"}), log) == 0);
+  const fs::path ref = d / "ref";
+  REQUIRE(run(alone(args + std::vector<std::string>{"--steps", until, "--out", ref.string()}), log) == 0);
+  CHECK(loss_gap(out, ref) < 1e-5);
   fs::remove_all(d);
 }

@@ -9,6 +9,18 @@ function(expect_error)
   message(STATUS "train_lm ${ARGN} -> ${err}")
 endfunction()
 
+# As expect_error, and the line must contain `says` (the flag or file, and the reason).
+function(expect_error_says says)
+  execute_process(COMMAND ${TRAIN_LM} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  string(STRIP "${err}" err)
+  string(FIND "${err}" "\n" newline)
+  string(FIND "${err}" "${says}" at)
+  if(NOT rc EQUAL 2 OR NOT newline EQUAL -1 OR NOT err MATCHES "^train_lm: error: " OR at EQUAL -1)
+    message(FATAL_ERROR "train_lm ${ARGN}: expected one error line with '${says}' and exit code 2, got exit ${rc} and:\n${err}")
+  endif()
+  message(STATUS "train_lm ${ARGN} -> ${err}")
+endfunction()
+
 file(WRITE ${WORK_DIR}/ok.txt "")
 foreach(i RANGE 60)
   file(APPEND ${WORK_DIR}/ok.txt "a small corpus of text for the command line test, line ${i}\n")
@@ -46,3 +58,38 @@ if(NOT rc EQUAL 0 OR NOT text MATCHES "^a small" OR n LESS 27 OR NOT before STRE
 endif()
 message(STATUS "train_lm --resume ${run} --sample 20 --prompt 'a small' -> ${text}")
 expect_error(--resume ${run} --sample 20 --prompt "ROMEO")
+
+# Unclear inputs of earlier versions: each is one line naming the flag or file and the reason.
+expect_error_says("data: '${WORK_DIR}' is a directory" --data ${WORK_DIR})
+expect_error_says("data: '/dev/zero' is not a regular file" --data /dev/zero)
+expect_error_says("--lr: must be a finite number >= 0, got inf" --data ${WORK_DIR}/ok.txt --lr inf)
+expect_error_says("--min-lr: 0.01 is above --lr 0.001" --data ${WORK_DIR}/ok.txt --min-lr 0.01)
+expect_error_says("--temperature: must be a finite number > 0, got inf" --data ${WORK_DIR}/ok.txt --temperature inf)
+# Out-of-range values that were accepted quietly (-5 taken as the default, seeds saturating,
+# threads cut to 64).
+expect_error_says("--lr-decay-iters: must be >= 0, got -5" --data ${WORK_DIR}/ok.txt --lr-decay-iters -5)
+expect_error_says("--seed: must be an integer in [0, 18446744073709551615], got -1" --data ${WORK_DIR}/ok.txt --seed -1)
+expect_error_says("--seed: must be an integer in [0, 18446744073709551615], got 99999999999999999999"
+                  --data ${WORK_DIR}/ok.txt --seed 99999999999999999999)
+expect_error_says("--threads: must be in [1, 64], got 9999" --data ${WORK_DIR}/ok.txt --threads 9999)
+expect_error_says("--overwrite: starts a new run; not with --resume" --resume ${run} --overwrite)
+expect_error_says("--out: not with --resume" --resume ${run} --out ${run})
+
+# A directory that holds a run is not overwritten by a new run into it.
+expect_error_says("--out: '${run}' already holds a run (checkpoint.safetensors); continue it with --resume ${run}"
+                  --data ${WORK_DIR}/ok.txt --steps 3 --out ${run})
+# A resume names what differs from the run, every flag.
+expect_error_says("--arch gpt (the run's: llama), --n-embd 32 (the run's: 16)" --resume ${run} --arch gpt --n-embd 32)
+
+# A corpus whose vocabulary changed since the run started: said as such, not as a tensor's shape.
+set(vocab_run ${WORK_DIR}/vocab_run)
+file(REMOVE_RECURSE ${vocab_run})
+file(COPY_FILE ${WORK_DIR}/ok.txt ${WORK_DIR}/changing.txt)
+execute_process(COMMAND ${TRAIN_LM} --data ${WORK_DIR}/changing.txt --steps 3 --n-layer 1 --n-embd 16 --n-head 2
+                        --block-size 8 --batch-size 2 --eval-iters 1 --quiet --out ${vocab_run}
+                RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "training the small gpt failed (${rc}): ${err}")
+endif()
+file(APPEND ${WORK_DIR}/changing.txt "QXZ!\n")
+expect_error_says("has another vocabulary" --resume ${vocab_run} --steps 6)

@@ -1,7 +1,11 @@
 // Reliability of the training program and its checkpoint files:
 //  - crash safety: train_lm killed with SIGKILL at random moments always leaves either no checkpoint
 //    (before the first save) or one that loads and resumes to the same numbers as an uninterrupted
-//    run; a leftover "<checkpoint>.tmp" is never read;
+//    run; a leftover "<checkpoint>.tmp" is never read; the same with SIGINT and SIGTERM mixed in,
+//    which end the step, checkpoint it and exit 130/143;
+//  - run directories (docs/reliability.md): a second --out refuses a run's directory, a lock keeps a
+//    second writer out, a resume refuses flags that differ from the run and reports the whole
+//    run, a finished run resumed without work is left byte for byte;
 //  - reproducibility: a fixed seed and thread count give bit-identical logs and weights (and what
 //    changes between 1 and 2 threads is reported);
 //  - hardened checkpoint loading: 20,000 corrupted checkpoints either load or are
@@ -29,11 +33,16 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <typeinfo>
 
 #include "helpers.h"
+#include "lm/checkpoint.h"
+#include "lm/resume.h"
+#include "lm/run_dir.h"
+#include "lm/signals.h"
 #include "lm/trainer.h"
 #include "lm_helpers.h"
 #include "tapegrad/memory.h"
@@ -231,12 +240,72 @@ std::string demangled(const char* name) {
 // ---------------------------------------------------------------------------------------------
 // 1. Crash safety
 
-TEST_CASE("train_lm killed with SIGKILL at random moments leaves a checkpoint that loads and resumes exactly",
-          "[reliability][kill]") {
-  const fs::path dir = scratch("kill");
+namespace {
+
+// A stop as the kill loop sends it: SIGKILL, SIGINT, SIGTERM, or two SIGINTs back to back.
+constexpr int kDoubleInt = -SIGINT;
+
+const char* stop_name(int how) {
+  switch (how) {
+    case SIGKILL: return "SIGKILL";
+    case SIGINT: return "SIGINT";
+    case SIGTERM: return "SIGTERM";
+    default: return "SIGINT twice";
+  }
+}
+
+void send_stop(pid_t pid, int how) {
+  ::kill(pid, how == kDoubleInt ? SIGINT : how);
+  if (how == kDoubleInt) ::kill(pid, SIGINT);
+}
+
+// The temporary files in dir (a save in progress when its writer died): "<name>.tmp",
+// "<name>.<pid>.tmp", and "checkpoint.safetensors.<pid>" between a checkpoint's two renames.
+std::vector<std::string> temp_files(const fs::path& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  const std::string ck = "checkpoint.safetensors.";
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    const bool tmp = n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0;
+    const bool renamed_once = n.rfind(ck, 0) == 0 && n.size() > ck.size() &&
+                              n.find_first_not_of("0123456789", ck.size()) == std::string::npos;
+    if (tmp || renamed_once) out.push_back(n);
+  }
+  return out;
+}
+
+// The step of the last "interrupted at step N; resume with: train_lm --resume DIR" line of text
+// (-1: none), and whether it names dir.
+std::int64_t interrupted_step(const std::string& text, const fs::path& dir, bool& names_dir) {
+  const std::string key = "interrupted at step ";
+  const auto at = text.rfind(key);
+  if (at == std::string::npos) return -1;
+  const auto eol = text.find('\n', at);
+  const std::string line = text.substr(at, eol == std::string::npos ? std::string::npos : eol - at);
+  names_dir = line.find("; resume with: train_lm --resume " + dir.string()) != std::string::npos;
+  return std::stoll(line.substr(key.size()));
+}
+
+// What a kill loop counts.
+struct KillCounts {
+  std::map<int, int> sent, graceful, died;  // by stop: sent, exits 130/143 after a checkpoint, deaths by the signal
+  int kills = 0, in_save = 0, no_ckpt = 0, with_ckpt = 0, no_ckpt_refusals = 0, short_resumes = 0, chains_done = 0,
+      exits_on_own = 0;
+};
+
+// train_lm started, stopped at a random moment by the next stop of `plan` (in turn), resumed, and
+// stopped again, `total` times, in chains of runs of a tiny model that checkpoints every 10 steps:
+// every checkpoint left behind loads and is complete, never goes back in time, a --resume
+// without one refuses cleanly, and every chain, resumed to its end, equals an uninterrupted run
+// bit for bit (weights, every logged loss and evaluation, the final checkpoint). A SIGINT or
+// SIGTERM after start-up ends the step, writes a checkpoint at it, says so and exits 130/143; a
+// second SIGINT ends the process at once by the signal.
+KillCounts kill_loop(const std::string& name, const std::vector<int>& plan, int total, std::uint64_t seed) {
+  const fs::path dir = scratch(name);
   const std::string data = make_corpus(dir);
   const fs::path log = dir / "child.log";
-  constexpr int kSteps = 400, kInterval = 10, kKills = 40;
+  constexpr int kSteps = 400, kInterval = 10;
   // A tiny model that saves a checkpoint every 10 steps (each save: a temporary file, fsync, rename).
   auto fresh = [&](const fs::path& out, int steps) {
     return std::vector<std::string>{kTrainLm, "--data", data, "--out", out.string(), "--norm", "rmsnorm",
@@ -290,13 +359,11 @@ TEST_CASE("train_lm killed with SIGKILL at random moments leaves a checkpoint th
     Metadata meta;
     const StateDict ck = load_safetensors((run_dir / "checkpoint.safetensors").string(), &meta);
     CHECK(same_bytes(ck, ref_ckpt));
-    // best_val is stored as text rounded to 6 decimals, so it is compared after that rounding
     CHECK(meta == ref_meta);
-    for (const char* leftover : {"checkpoint.safetensors.tmp", "model.safetensors.tmp", "train_log.csv.tmp", "metrics.csv.tmp"})
-      CHECK_FALSE(fs::exists(run_dir / leftover));
+    CHECK(temp_files(run_dir).empty());
   };
 
-  std::mt19937_64 rng(20240917);
+  std::mt19937_64 rng(seed);
   // Kill delays are uniform in [0, span). Before a chain's first checkpoint the span covers
   // start-up and the first save or so; afterwards start-up and about a fifth of the run. It widens
   // whenever a kill found no progress, so every chain advances even on a slow, loaded machine.
@@ -306,8 +373,7 @@ TEST_CASE("train_lm killed with SIGKILL at random moments leaves a checkpoint th
   const double train_ms = std::max(ref_ms - startup_ms, 1.0);
   const double first_span = 1.5 * startup_ms + 0.03 * train_ms, base_span = startup_ms + 0.2 * train_ms;
   double span = first_span;
-  int kills = 0, kills_in_save = 0, kills_no_ckpt = 0, kills_with_ckpt = 0, no_ckpt_refusals = 0;
-  int short_resumes = 0, chains_done = 0, exits_on_own = 0;
+  KillCounts n;
   int chain = 0;
   std::int64_t last_step = -1;  // checkpoint step seen after the previous kill in this chain
   fs::path run_dir = dir / "chain0";
@@ -317,41 +383,59 @@ TEST_CASE("train_lm killed with SIGKILL at random moments leaves a checkpoint th
     span = first_span;
   };
 
-  while (kills < kKills) {
-    const fs::path ck = run_dir / "checkpoint.safetensors", tmp = run_dir / "checkpoint.safetensors.tmp";
+  while (n.kills < total) {
+    const fs::path ck = run_dir / "checkpoint.safetensors";
     const bool have_ckpt = fs::exists(ck);
-    const Stamp tmp_before = stamp(tmp);
+    const std::size_t log_before = read_file(log).size();
     const pid_t pid = spawn(have_ckpt ? resume(run_dir) : fresh(run_dir, kSteps), log);
     std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(
         std::uniform_real_distribution<double>(0.0, span)(rng)));
-    ::kill(pid, SIGKILL);
+    const int how = plan[static_cast<std::size_t>(n.kills) % plan.size()];
+    send_stop(pid, how);
     const int st = wait_for(pid);
-    INFO("chain " << chain << ", kill " << kills << "\n" << tail_of(log));
-    if (WIFEXITED(st)) {  // finished before the kill: the chain is complete
-      REQUIRE(WEXITSTATUS(st) == 0);
-      ++exits_on_own;
+    const std::string said = read_file(log).substr(log_before);
+    INFO("chain " << chain << ", stop " << n.kills << " (" << stop_name(how) << ")\n" << tail_of(log));
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 0) {  // finished before the stop: the chain is complete
+      ++n.exits_on_own;
       check_same_as_reference(run_dir);
-      ++chains_done;
+      ++n.chains_done;
       next_chain();
       continue;
     }
-    REQUIRE(WIFSIGNALED(st));
-    REQUIRE(WTERMSIG(st) == SIGKILL);
-    const bool early = kills++ < kKillsEarly;
-    // A temporary file this process created or changed means the kill hit a save in progress.
-    const Stamp tmp_after = stamp(tmp);
-    if (tmp_after.exists && !(tmp_after == tmp_before)) ++kills_in_save;
+    const bool early = n.kills++ < kKillsEarly;
+    ++n.sent[how];
+    // A graceful stop exits 128 + the signal after its checkpoint; otherwise the process died by
+    // the signal sent (SIGKILL; SIGINT or SIGTERM before the handlers were installed, or a second
+    // SIGINT).
+    std::int64_t said_step = -1;
+    if (WIFEXITED(st)) {
+      REQUIRE(how != SIGKILL);
+      REQUIRE(WEXITSTATUS(st) == 128 + (how == kDoubleInt ? SIGINT : how));
+      bool names_dir = false;
+      said_step = interrupted_step(said, run_dir, names_dir);
+      CHECK(said_step > 0);
+      CHECK(names_dir);
+      ++n.graceful[how];
+    } else {
+      REQUIRE(WIFSIGNALED(st));
+      REQUIRE(WTERMSIG(st) == (how == kDoubleInt ? SIGINT : how));
+      ++n.died[how];
+    }
+    // A temporary file of this process left behind means the stop hit a save in progress.
+    const std::string pid_tag = "." + std::to_string(pid);
+    for (const std::string& t : temp_files(run_dir)) n.in_save += t.find(pid_tag) != std::string::npos;
 
     if (!fs::exists(ck)) {
       // No checkpoint only before the first save of the chain; --resume then refuses cleanly.
-      ++kills_no_ckpt;
+      ++n.no_ckpt;
       CHECK(last_step == -1);
-      if (no_ckpt_refusals < 3) {
+      CHECK(said_step == -1);
+      if (n.no_ckpt_refusals < 3) {
         const fs::path l = dir / "refusal.log";
         fs::remove(l);
         CHECK(run(resume(run_dir), l) == 2);
         CHECK(read_file(l).find("no checkpoint") != std::string::npos);
-        ++no_ckpt_refusals;
+        ++n.no_ckpt_refusals;
       }
       if (early) next_chain();
       else span = std::min(span * 1.5, 20 * base_span);
@@ -359,7 +443,7 @@ TEST_CASE("train_lm killed with SIGKILL at random moments leaves a checkpoint th
     }
 
     // The checkpoint loads along the path --resume takes, and is complete.
-    ++kills_with_ckpt;
+    ++n.with_ckpt;
     lm::TrainConfig cfg;
     REQUIRE_NOTHROW(cfg = lm::read_checkpoint_config(run_dir.string()));
     CHECK(cfg.steps == kSteps);
@@ -370,31 +454,35 @@ TEST_CASE("train_lm killed with SIGKILL at random moments leaves a checkpoint th
     const std::int64_t step = std::stoll(meta.at("step"));
     CHECK(step > 0);
     CHECK(step <= kSteps);
-    CHECK((step % kInterval == 0 || step == kSteps));
+    // A graceful stop checkpoints the step it ended; otherwise the checkpoint is on the cadence,
+    // or the one an earlier graceful stop of the chain wrote.
+    if (said_step > 0) CHECK(step == said_step);
+    else CHECK((step % kInterval == 0 || step == kSteps || step == last_step));
+    CHECK(train_log(run_dir).size() >= static_cast<std::size_t>(step) + 1);
     CHECK(step >= last_step);  // a checkpoint never goes back in time
     span = step > last_step ? base_span : std::min(span * 1.5, 20 * base_span);
     last_step = step;
 
-    // For every third such kill, a short resume of a copy runs to completion and reproduces the
-    // uninterrupted run's losses up to its end. When the kill left no temporary file, a half-written
-    // one is planted: it must be ignored.
-    if (step < kSteps && kills_with_ckpt % 3 == 1) {
+    // For every third such stop, a short resume of a copy runs to completion and reproduces the
+    // uninterrupted run's losses up to its end. When the stop left no temporary file, a half-written
+    // one is planted: it must be ignored (and removed).
+    if (step < kSteps && n.with_ckpt % 3 == 1) {
       const fs::path side = dir / "side";
       fs::remove_all(side);
       fs::copy(run_dir, side, fs::copy_options::recursive);
-      if (!fs::exists(side / "checkpoint.safetensors.tmp")) {
+      if (temp_files(side).empty()) {
         const std::string bytes = read_file(ck);
         write_file(side / "checkpoint.safetensors.tmp", bytes.substr(0, bytes.size() / 2));
       }
-      const std::int64_t target = std::min<std::int64_t>(step + 2 * kInterval, kSteps);
+      const std::int64_t target = std::min<std::int64_t>((step / kInterval + 2) * kInterval, kSteps);  // on the cadence
       REQUIRE(run(resume(side, static_cast<int>(target)), log) == 0);
       Metadata side_meta;
       load_safetensors((side / "checkpoint.safetensors").string(), &side_meta);
       CHECK(side_meta.at("step") == std::to_string(target));
-      CHECK_FALSE(fs::exists(side / "checkpoint.safetensors.tmp"));
+      CHECK(temp_files(side).empty());
       CHECK(first_difference(train_log(side), up_to(ref_log, target)) == "");
       CHECK(first_difference(metrics(side), up_to(ref_metrics, target)) == "");
-      ++short_resumes;
+      ++n.short_resumes;
     }
     if (early) next_chain();
   }
@@ -403,19 +491,45 @@ TEST_CASE("train_lm killed with SIGKILL at random moments leaves a checkpoint th
     INFO(tail_of(log));
     REQUIRE(run(fs::exists(run_dir / "checkpoint.safetensors") ? resume(run_dir) : fresh(run_dir, kSteps), log) == 0);
     check_same_as_reference(run_dir);
-    ++chains_done;
+    ++n.chains_done;
   }
-
-  std::cout << "[kill] " << kills << " SIGKILLs: " << kills_no_ckpt << " before the first checkpoint, "
-            << kills_with_ckpt << " with a checkpoint (all loaded), " << kills_in_save
-            << " while a save was in progress (temporary file present); " << exits_on_own
-            << " launches finished before their kill; " << short_resumes << " short resumes run to completion; "
-            << chains_done << " killed-and-resumed runs completed, each identical to the uninterrupted run\n";
-  CHECK(kills == kKills);
-  CHECK(kills_with_ckpt > 0);
-  CHECK(short_resumes >= 3);
-  CHECK(chains_done >= 1);
   fs::remove_all(dir);
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("train_lm killed with SIGKILL at random moments leaves a checkpoint that loads and resumes exactly",
+          "[reliability][kill]") {
+  constexpr int kKills = 40;
+  const KillCounts n = kill_loop("kill", {SIGKILL}, kKills, 20240917);
+  std::cout << "[kill] " << n.kills << " SIGKILLs: " << n.no_ckpt << " before the first checkpoint, " << n.with_ckpt
+            << " with a checkpoint (all loaded), " << n.in_save
+            << " while a save was in progress (temporary file present); " << n.exits_on_own
+            << " launches finished before their kill; " << n.short_resumes << " short resumes run to completion; "
+            << n.chains_done << " killed-and-resumed runs completed, each identical to the uninterrupted run\n";
+  CHECK(n.kills == kKills);
+  CHECK(n.with_ckpt > 0);
+  CHECK(n.short_resumes >= 3);
+  CHECK(n.chains_done >= 1);
+}
+
+TEST_CASE("train_lm stopped by SIGINT, SIGTERM and SIGKILL at random moments resumes to the same bits",
+          "[reliability][kill][signal]") {
+  // In turn: SIGKILL, SIGINT, SIGTERM, SIGINT twice, SIGTERM, SIGINT (48 stops: 8 SIGKILLs, 16
+  // SIGINTs, 16 SIGTERMs, 8 double SIGINTs).
+  constexpr int kStops = 48;
+  KillCounts n = kill_loop("signals", {SIGKILL, SIGINT, SIGTERM, kDoubleInt, SIGTERM, SIGINT}, kStops, 20261125);
+  std::ostringstream by;
+  for (int how : {SIGKILL, SIGINT, SIGTERM, kDoubleInt})
+    by << "; " << stop_name(how) << ": " << n.sent[how] << " sent, " << n.graceful[how]
+       << " checkpointed and exited 128+signal, " << n.died[how] << " ended by the signal";
+  std::cout << "[signals] " << n.kills << " stops" << by.str() << "; " << n.with_ckpt << " left a checkpoint (all loaded), "
+            << n.in_save << " hit a save in progress; " << n.short_resumes << " short resumes; " << n.chains_done
+            << " stopped-and-resumed runs completed, each identical to the uninterrupted run\n";
+  CHECK(n.kills == kStops);
+  CHECK(n.graceful[SIGINT] + n.graceful[SIGTERM] > 0);  // the handlers ran at least once
+  CHECK(n.chains_done >= 1);
 }
 
 TEST_CASE("train_lm without evaluations (--eval-iters 0) keeps train_log.csv complete across a kill",
@@ -462,6 +576,477 @@ TEST_CASE("train_lm without evaluations (--eval-iters 0) keeps train_log.csv com
   CHECK(first_difference(got, ref_log) == "");
   const bool same_model = read_file(out / "model.safetensors") == read_file(dir / "ref" / "model.safetensors");
   CHECK(same_model);
+  fs::remove_all(dir);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1b. Run directories, resume and signals (docs/reliability.md)
+
+namespace {
+
+// Every file under dir: relative path -> (bytes, stamp). Equal snapshots: nothing was touched.
+std::map<std::string, std::pair<std::string, Stamp>> snapshot(const fs::path& dir) {
+  std::map<std::string, std::pair<std::string, Stamp>> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file()) out[fs::relative(e.path(), dir).string()] = {read_file(e.path()), stamp(e.path())};
+  return out;
+}
+
+std::vector<std::string> operator+(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// A tiny run into out: one block of width 16, evaluations and checkpoints every 10 steps.
+std::vector<std::string> tiny_run(const std::string& data, const fs::path& out, int steps) {
+  return {kTrainLm, "--data", data, "--out", out.string(), "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+          "--block-size", "16", "--batch-size", "4", "--steps", std::to_string(steps), "--warmup", "5",
+          "--eval-interval", "10", "--eval-iters", "1", "--dropout", "0.1", "--seed", "7", "--threads", "1", "--quiet"};
+}
+std::vector<std::string> resume_of(const fs::path& out) {
+  return {kTrainLm, "--resume", out.string(), "--threads", "1", "--quiet"};
+}
+
+// The "train_lm: error: " lines of a log.
+std::vector<std::string> error_lines(const fs::path& log) {
+  std::istringstream in(read_file(log));
+  std::vector<std::string> out;
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("train_lm: error: ", 0) == 0) out.push_back(line);
+  return out;
+}
+
+bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+std::int64_t checkpoint_step(const fs::path& dir) {
+  Metadata meta;
+  load_safetensors((dir / "checkpoint.safetensors").string(), &meta);
+  return std::stoll(meta.at("step"));
+}
+
+// Waits until path holds more than `bytes` bytes (at most 120 s).
+void wait_for_size(const fs::path& path, std::uintmax_t bytes) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::error_code ec;
+  while (!(fs::exists(path, ec) && fs::file_size(path, ec) > bytes) && ms_since(t0) < 120'000)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+}
+
+}  // namespace
+
+TEST_CASE("train_lm --out on a directory holding a run refuses it and changes nothing, and --overwrite starts afresh",
+          "[reliability][rundir]") {
+  const fs::path dir = scratch("rundir");
+  const std::string data = make_corpus(dir);
+  const fs::path out = dir / "run", log = dir / "log";
+  REQUIRE(run(tiny_run(data, out, 30), log) == 0);
+  const auto before = snapshot(out);
+  for (const auto& again : {tiny_run(data, out, 20) + std::vector<std::string>{"--norm", "layernorm"},
+                            std::vector<std::string>{kTrainLm, "--compare", "--data", data, "--out", out.string(),
+                                                     "--steps", "5", "--quiet"}}) {
+    fs::remove(log);
+    CHECK(run(again, log) == 2);
+    const auto errors = error_lines(log);
+    REQUIRE(errors.size() == 1);
+    INFO(errors[0]);
+    CHECK(has(errors[0], "already holds a run (checkpoint.safetensors)"));
+    CHECK(has(errors[0], "--resume " + out.string()));
+    CHECK(has(errors[0], "--overwrite"));
+    CHECK(snapshot(out) == before);
+  }
+  // --overwrite replaces the run's files, and only those.
+  write_file(out / "notes.txt", "mine");
+  REQUIRE(run(tiny_run(data, out, 20) + std::vector<std::string>{"--overwrite"}, log) == 0);
+  CHECK(train_log(out).size() == 21);
+  CHECK(metrics(out).size() == 3);
+  CHECK(checkpoint_step(out) == 20);
+  CHECK(read_file(out / "notes.txt") == "mine");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("lm::claim_new_run refuses a directory holding a run, and overwrite removes the run's files only",
+          "[reliability][rundir]") {
+  const fs::path dir = scratch("claim");
+  const fs::path a = dir / "a";
+  fs::create_directories(a / "rmsnorm");
+  for (const char* f : {"rmsnorm/checkpoint.safetensors", "rmsnorm/train_log.csv", "metrics.csv", "summary.md", "notes.txt"})
+    write_file(a / f, "x");
+  CHECK(lm::run_file_in(a.string()) == "rmsnorm/checkpoint.safetensors");
+  REQUIRE_TG_ERROR(lm::claim_new_run(a.string(), false), "--out", "already holds a run", "--resume", "--overwrite");
+  CHECK(fs::exists(a / "rmsnorm/checkpoint.safetensors"));
+  { const lm::RunLock lock = lm::claim_new_run(a.string(), true); }
+  for (const char* f : {"rmsnorm/checkpoint.safetensors", "rmsnorm/train_log.csv", "metrics.csv", "summary.md"})
+    CHECK_FALSE(fs::exists(a / f));
+  CHECK(fs::exists(a / "notes.txt"));
+  // Logs alone (a run stopped before its first checkpoint) are not a run; no directory is none.
+  write_file(a / "train_log.csv", "step,loss,lr,ms\n1,2,3,4\n");
+  CHECK(lm::run_file_in(a.string()).empty());
+  CHECK_NOTHROW(lm::claim_new_run(a.string(), false));
+  CHECK(lm::run_file_in((dir / "nowhere").string()).empty());
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a second train_lm is kept out of a run directory while the first writes it", "[reliability][rundir][lock]") {
+  const fs::path dir = scratch("lock");
+  const std::string data = make_corpus(dir);
+  const fs::path out = dir / "run", log = dir / "first.log", second = dir / "second.log";
+  const pid_t first = spawn(tiny_run(data, out, 1'000'000) + std::vector<std::string>{"--lr-decay-iters", "1000"}, log);
+  wait_for_size(out / "checkpoint.safetensors", 0);
+  for (const auto& intruder : {resume_of(out), tiny_run(data, out, 10) + std::vector<std::string>{"--overwrite"}}) {
+    fs::remove(second);
+    CHECK(run(intruder, second) == 2);
+    const auto errors = error_lines(second);
+    REQUIRE(errors.size() == 1);
+    CHECK(has(errors[0], "is in use by another train_lm process"));
+    CHECK(has(errors[0], lm::kLockFile));
+  }
+  int st = 0;
+  CHECK(::waitpid(first, &st, WNOHANG) == 0);  // the first run goes on
+  ::kill(first, SIGTERM);
+  st = wait_for(first);
+  INFO(tail_of(log));
+  REQUIRE(WIFEXITED(st));
+  CHECK(WEXITSTATUS(st) == 128 + SIGTERM);
+  // One writer's rows only: steps 1..N, once each, and the checkpoint at N; then the lock is free.
+  const std::int64_t n = checkpoint_step(out);
+  const auto rows = train_log(out);
+  REQUIRE(rows.size() == static_cast<std::size_t>(n) + 1);
+  for (std::size_t i = 1; i < rows.size(); ++i) CHECK(std::stoll(rows[i]) == static_cast<std::int64_t>(i));
+  CHECK(run(resume_of(out) + std::vector<std::string>{"--steps", std::to_string(n + 5)}, second) == 0);
+  CHECK(checkpoint_step(out) == n + 5);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("the run lock keeps other processes out, not the holder, and temporary files are per process",
+          "[reliability][rundir][lock]") {
+  const fs::path dir = scratch("lock_api");
+  write_file(dir / "checkpoint.safetensors.999999.tmp", "stale");
+  write_file(dir / "checkpoint.safetensors.999998", "stale");
+  write_file(dir / "metrics.csv.tmp", "stale");
+  write_file(dir / "notes.tmp", "mine");
+  write_file(dir / "notes.123", "mine");
+  auto other_process_locks = [&] {  // 0: it took the lock; 3: refused with tg::Error saying so
+    std::cout.flush();
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      try {
+        const lm::RunLock l(dir.string());
+        ::_exit(0);
+      } catch (const Error& e) {
+        ::_exit(std::strstr(e.what(), "in use by another train_lm process") ? 3 : 4);
+      }
+    }
+    const int st = wait_for(pid);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  };
+  {
+    const lm::RunLock a(dir.string());
+    CHECK_FALSE(fs::exists(dir / "checkpoint.safetensors.999999.tmp"));  // a dead writer's temporary files go
+    CHECK_FALSE(fs::exists(dir / "checkpoint.safetensors.999998"));
+    CHECK_FALSE(fs::exists(dir / "metrics.csv.tmp"));
+    CHECK(fs::exists(dir / "notes.tmp"));
+    CHECK(fs::exists(dir / "notes.123"));
+    const lm::RunLock b(dir.string());  // the same process (the program, then its trainer): shared
+    CHECK(other_process_locks() == 3);
+  }
+  CHECK(other_process_locks() == 0);  // released with the last holder
+  const std::string f = (dir / "f.txt").string();
+  CHECK(lm::temp_path(f) == f + "." + std::to_string(::getpid()) + ".tmp");
+  lm::write_atomic(f, "abc");
+  CHECK(read_file(f) == "abc");
+  CHECK_FALSE(fs::exists(lm::temp_path(f)));
+  const Stamp s = stamp(f);
+  CHECK_FALSE(lm::write_if_changed(f, "abc"));
+  CHECK(stamp(f) == s);
+  CHECK(lm::write_if_changed(f, "abcd"));
+  CHECK(read_file(f) == "abcd");
+  // A checkpoint: core's safetensors writer to a name of this process, renamed over the file.
+  StateDict sd;
+  sd.insert("w", tensor({1.0, 2.0}, {2}));
+  const std::string ck = (dir / "checkpoint.safetensors").string();
+  lm::save_safetensors_atomic(ck, sd, {{"step", "3"}});
+  Metadata meta;
+  CHECK(same_bytes(load_safetensors(ck, &meta), sd));
+  CHECK(meta.at("step") == "3");
+  CHECK_FALSE(fs::exists(ck + "." + std::to_string(::getpid())));
+  CHECK_FALSE(fs::exists(lm::temp_path(ck)));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a write that fails (the file size limit, as a full disk) keeps the earlier file and leaves no temporary file",
+          "[reliability][rundir]") {
+  const fs::path dir = scratch("write_fails");
+  const std::string f = (dir / "checkpoint.safetensors").string();
+  lm::write_atomic(f, "the earlier checkpoint");
+  std::cout.flush();
+  const pid_t pid = ::fork();
+  if (pid == 0) {  // a process whose files may not grow past 1000 bytes: write(2) fails with EFBIG
+    ::signal(SIGXFSZ, SIG_IGN);
+    const rlimit limit{1000, 1000};
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    try {
+      lm::write_atomic(f, std::string(5000, 'x'));
+      ::_exit(1);
+    } catch (const Error& e) {
+      const bool named = std::strstr(e.what(), "write") && std::strstr(e.what(), "File too large");
+      ::_exit(named && !fs::exists(lm::temp_path(f)) ? 0 : 2);
+    }
+  }
+  const int st = wait_for(pid);
+  REQUIRE(WIFEXITED(st));
+  CHECK(WEXITSTATUS(st) == 0);
+  CHECK(read_file(f) == "the earlier checkpoint");
+  std::size_t files = 0;
+  for (const auto& e : fs::directory_iterator(dir)) files += e.is_regular_file();
+  CHECK(files == 1);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a resume of a finished run changes nothing on disk, and after a resume the report covers the whole run",
+          "[reliability][resume]") {
+  const fs::path dir = scratch("finished");
+  const std::string data = make_corpus(dir);
+  const fs::path out = dir / "run", log = dir / "log";
+  REQUIRE(run(tiny_run(data, out, 30), log) == 0);
+  const auto before = snapshot(out);
+  for (const auto& again : {resume_of(out), resume_of(out) + std::vector<std::string>{"--steps", "30"},
+                            resume_of(out) + std::vector<std::string>{"--steps", "20"}}) {
+    fs::remove(log);
+    CHECK(run(again, log) == 0);
+    CHECK(has(read_file(log), "nothing to do"));
+    CHECK(snapshot(out) == before);
+  }
+  {  // through the library: lm::train of the finished run rewrites nothing either
+    lm::TrainConfig r = lm::read_checkpoint_config(out.string());
+    r.out = out.string();
+    r.progress = false;
+    const lm::RunResult res = lm::train(r, lm::load_corpus(r.data, r.model.block_size), true);
+    CHECK(res.step_loss.empty());
+    CHECK_FALSE(res.model_written);
+    CHECK(snapshot(out) == before);
+  }
+  // Continued to 50 steps: the settings are the run's, the table and chart cover steps 10..50.
+  REQUIRE(run(resume_of(out) + std::vector<std::string>{"--steps", "50"}, log) == 0);
+  const std::string summary = read_file(out / "summary.md");
+  INFO(summary);
+  CHECK(has(summary, "1 layers, 2 heads, width 16, context 16, batch 4, 50 steps"));
+  CHECK(has(summary, "seed 7"));
+  CHECK_FALSE(has(summary, "n/a"));
+  CHECK_FALSE(has(summary, "nan"));
+  const auto rows = metrics(out);
+  REQUIRE(rows.size() == 6);
+  std::istringstream last(rows.back());  // step,norm,train_loss,val_loss,...
+  std::string val;
+  for (int i = 0; i < 4; ++i) std::getline(last, val, ',');
+  char cell[32];
+  std::snprintf(cell, sizeof cell, "| %.4f |", std::stod(val));
+  CHECK(has(summary, cell));  // the final val loss, from the last row of the whole run
+  const std::string svg = read_file(out / "val_loss.svg");
+  std::size_t points = 0;
+  for (auto at = svg.find("<circle"); at != std::string::npos; at = svg.find("<circle", at + 1)) ++points;
+  CHECK(points == 5);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("summary.md of a single run points to its own train_log.csv", "[reliability][resume]") {
+  const fs::path dir = scratch("summary_path");
+  const std::string data = make_corpus(dir);
+  REQUIRE(run(tiny_run(data, dir / "run", 10), dir / "log") == 0);
+  const std::string summary = read_file(dir / "run" / "summary.md");
+  CHECK(has(summary, "every step: `train_log.csv`"));
+  CHECK(fs::exists(dir / "run" / "train_log.csv"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a resume refuses flags that differ from the run, listing each, and applies those that may change",
+          "[reliability][resume]") {
+  const fs::path dir = scratch("resume_flags");
+  const std::string data = make_corpus(dir);
+  const fs::path out = dir / "run", log = dir / "log";
+  REQUIRE(run(tiny_run(data, out, 30), log) == 0);
+  const auto before = snapshot(out);
+  fs::remove(log);
+  CHECK(run(resume_of(out) + std::vector<std::string>{"--n-embd", "32", "--norm", "layernorm", "--batch-size", "8",
+                                                      "--seed", "3", "--dropout", "0.1", "--steps", "40"},
+            log) == 2);
+  auto errors = error_lines(log);
+  REQUIRE(errors.size() == 1);
+  INFO(errors[0]);
+  for (const char* d : {"--n-embd 32 (the run's: 16)", "--norm layernorm (the run's: rmsnorm)",
+                        "--batch-size 8 (the run's: 4)", "--seed 3 (the run's: 7)"})
+    CHECK(has(errors[0], d));
+  CHECK_FALSE(has(errors[0], "--dropout"));  // given, equal to the run's
+  CHECK(snapshot(out) == before);
+  fs::remove(log);
+  CHECK(run(resume_of(out) + std::vector<std::string>{"--lr", "0.00001", "--steps", "40"}, log) == 2);
+  errors = error_lines(log);
+  REQUIRE(errors.size() == 1);
+  CHECK(has(errors[0], "--lr: 1e-05 is below the run's --min-lr 0.0001"));
+  // The flags that may change: the steps, the evaluation cadence, the learning rate (with a note).
+  fs::remove(log);
+  REQUIRE(run(resume_of(out) + std::vector<std::string>{"--steps", "40", "--eval-interval", "5", "--lr", "0.002",
+                                                        "--n-embd", "16"},
+              log) == 0);
+  CHECK(has(read_file(log), "note: --lr 0.002 replaces the run's 0.001"));
+  const auto rows = metrics(out);
+  REQUIRE(rows.size() == 6);
+  CHECK(std::stoll(rows[4]) == 35);
+  const lm::TrainConfig now = lm::read_checkpoint_config(out.string());
+  CHECK(now.lr == 0.002);
+  CHECK(now.eval_interval == 5);
+  CHECK(now.steps == 40);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("lm::resume_config lists every differing flag that defines the run and takes those that may change",
+          "[reliability][resume]") {
+  const fs::path dir = scratch("resume_api");
+  const std::string data = make_corpus(dir);
+  lm::TrainConfig run_cfg = lmtest::tiny(data);
+  lm::TrainConfig given = run_cfg;
+  given.model.n_embd = 32;
+  given.seed = 9;
+  given.steps = 500;
+  given.eval_iters = 7;
+  std::set<std::string> flags{"--n-embd", "--seed", "--steps"};
+  auto was_given = [&](const std::string& f) { return flags.count(f) > 0; };
+  std::vector<std::string> notes;
+  REQUIRE_TG_ERROR(lm::resume_config(run_cfg, given, was_given, notes), "--n-embd 32 (the run's: 16)",
+                   "--seed 9 (the run's: 1337)");
+  flags = {"--steps", "--eval-iters"};
+  lm::TrainConfig r = lm::resume_config(run_cfg, given, was_given, notes);
+  CHECK(r.steps == 500);
+  CHECK(r.eval_iters == 7);
+  CHECK(r.model.n_embd == 16);
+  CHECK(r.seed == run_cfg.seed);
+  CHECK(notes.empty());
+  // A corpus that moved: its new path is taken when the run's path no longer exists.
+  run_cfg.data = (dir / "moved_away.txt").string();
+  flags = {"--data"};
+  r = lm::resume_config(run_cfg, given, was_given, notes);
+  CHECK(r.data == data);
+  REQUIRE(notes.size() == 1);
+  CHECK(has(notes[0], "is gone"));
+  run_cfg.data = data;
+  given.data = (dir / "other.txt").string();
+  write_file(given.data, "other");
+  REQUIRE_TG_ERROR(lm::resume_config(run_cfg, given, was_given, notes), "--data");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("SIGINT and SIGTERM end the step, checkpoint it, say how to resume and exit 130/143, and the run resumes exactly",
+          "[reliability][signal]") {
+  const fs::path dir = scratch("signal");
+  const std::string data = make_corpus(dir);
+  // No evaluation or checkpoint on the cadence: the one the signal asks for is the only one.
+  const std::vector<std::string> rest{"--eval-interval", "1000000", "--lr-decay-iters", "1000"};
+  for (const int sig : {SIGINT, SIGTERM}) {
+    const fs::path out = dir / ("run" + std::to_string(sig)), log = dir / ("run" + std::to_string(sig) + ".log");
+    const pid_t pid = spawn(tiny_run(data, out, 1'000'000) + rest, log);
+    wait_for_size(out / "train_log.csv", 4096);  // some hundred steps on disk
+    ::kill(pid, sig);
+    const int st = wait_for(pid);
+    INFO(tail_of(log));
+    REQUIRE(WIFEXITED(st));
+    CHECK(WEXITSTATUS(st) == 128 + sig);
+    bool names_dir = false;
+    const std::int64_t n = interrupted_step(read_file(log), out, names_dir);
+    CHECK(names_dir);
+    REQUIRE(n > 0);
+    CHECK(checkpoint_step(out) == n);
+    CHECK(train_log(out).size() == static_cast<std::size_t>(n) + 1);
+    // Resumed for 20 more steps, it equals a run that was never stopped.
+    const std::string until = std::to_string(n + 20);
+    REQUIRE(run(resume_of(out) + std::vector<std::string>{"--steps", until}, log) == 0);
+    REQUIRE(run(tiny_run(data, dir / "ref", static_cast<int>(n + 20)) + rest + std::vector<std::string>{"--overwrite"},
+                log) == 0);
+    CHECK(first_difference(train_log(out), train_log(dir / "ref")) == "");
+    const bool same_model = read_file(out / "model.safetensors") == read_file(dir / "ref" / "model.safetensors");
+    CHECK(same_model);
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a second SIGINT ends train_lm at once and keeps the last checkpoint", "[reliability][signal]") {
+  const fs::path dir = scratch("signal2");
+  const std::string data = make_corpus(dir);
+  const fs::path out = dir / "run", log = dir / "log";
+  // Steps of a few hundred ms: the second signal arrives while the first one's step still runs.
+  const pid_t pid = spawn({kTrainLm, "--data", data, "--out", out.string(), "--n-layer", "2", "--n-head", "4",
+                           "--n-embd", "256", "--block-size", "64", "--batch-size", "32", "--steps", "1000000",
+                           "--eval-interval", "1", "--eval-iters", "1", "--threads", "1", "--quiet"},
+                          log);
+  wait_for_size(out / "checkpoint.safetensors", 0);
+  ::kill(pid, SIGINT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ::kill(pid, SIGINT);
+  const int st = wait_for(pid);
+  INFO(tail_of(log));
+  REQUIRE(WIFSIGNALED(st));
+  CHECK(WTERMSIG(st) == SIGINT);
+  CHECK(has(read_file(log), "second signal: stopping at once; the last checkpoint is kept"));
+  CHECK(checkpoint_step(out) >= 1);  // loads: the last complete checkpoint
+  fs::remove_all(dir);
+}
+
+TEST_CASE("lm::train under lm::StopOnSignal: a SIGTERM checkpoints the step and throws lm::Interrupted",
+          "[reliability][signal]") {
+  set_num_threads(1);
+  const fs::path dir = scratch("signal_api");
+  const std::string data = make_corpus(dir);
+  const lm::Corpus corpus = lm::load_corpus(data, 16);
+  lm::TrainConfig c = lmtest::tiny(data);
+  c.steps = 60;
+  c.eval_interval = 20;
+  c.out = (dir / "stopped").string();
+  {
+    const lm::StopOnSignal handlers;
+    ::raise(SIGTERM);  // noted; the first step still runs
+    bool thrown = false;
+    try {
+      lm::train(c, corpus);
+    } catch (const lm::Interrupted& e) {
+      thrown = true;
+      CHECK(e.step() == 1);
+      CHECK(e.signal() == SIGTERM);
+      CHECK(e.exit_code() == 143);
+      CHECK(e.dir() == c.out);
+    }
+    CHECK(thrown);
+    lm::clear_stop_signal();
+  }
+  CHECK(checkpoint_step(c.out) == 1);
+  lm::train(c, corpus, true);
+  lm::TrainConfig whole = c;
+  whole.out = (dir / "whole").string();
+  lm::train(whole, corpus);
+  const bool same_model = read_file(fs::path(c.out) / "model.safetensors") == read_file(dir / "whole" / "model.safetensors");
+  CHECK(same_model);
+  CHECK(first_difference(train_log(c.out), train_log(whole.out)) == "");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("the corpus reader refuses directories and devices, and a resume names a vocabulary mismatch",
+          "[reliability][data]") {
+  const fs::path dir = scratch("data_checks");
+  REQUIRE_TG_ERROR(lm::load_corpus(dir.string(), 16), "data", "is a directory");
+  REQUIRE_TG_ERROR(lm::load_corpus("/dev/zero", 16), "data", "/dev/zero", "not a regular file");
+  const std::string data = make_corpus(dir);
+  const lm::Corpus a = lm::load_corpus(data, 16), same = lm::load_corpus(data, 16);
+  CHECK(a.content_hash == same.content_hash);
+  CHECK(a.content_hash == lm::fnv1a64(read_file(data)));
+  CHECK(lm::fnv1a64("") == 14695981039346656037ull);
+  CHECK(lm::fnv1a64("a") == 0xaf63dc4c8601ec8cull);  // the published FNV-1a 64 test vector
+  lm::TrainConfig c = lmtest::tiny(data);
+  c.steps = 10;
+  c.eval_interval = 10;
+  c.out = (dir / "run").string();
+  lm::train(c, a);
+  write_file(dir / "other.txt", std::string(400, 'x') + "yz\n" + std::string(400, 'w'));
+  const lm::Corpus other = lm::load_corpus((dir / "other.txt").string(), 16);
+  lm::TrainConfig r = c;
+  r.steps = 20;
+  REQUIRE_TG_ERROR(lm::train(r, other, true), "resume", "another vocabulary", "5 characters", "run's checkpoint");
   fs::remove_all(dir);
 }
 

@@ -49,7 +49,7 @@ for arch in ("gpt", "llama"):
         out = os.path.join(work, f"{arch}_{norm}")
         subprocess.run([train_lm, "--data", corpus, "--arch", arch, "--norm", norm, "--steps", "30", "--n-layer", "2",
                         "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
-                        "--eval-iters", "0", "--threads", "1", "--quiet", "--out", out], check=True,
+                        "--eval-iters", "0", "--threads", "1", "--quiet", "--overwrite", "--out", out], check=True,
                        stdout=subprocess.DEVNULL)
         model, vocab = load_run(os.path.join(out, "model.safetensors"))
         ids = [vocab.index(c) for c in "ROMEO: line 7, JULIET"][:16]
