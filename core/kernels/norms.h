@@ -15,6 +15,51 @@
 
 namespace tg::kernels {
 
+// ---- RMSNorm (k = C) and partial RMSNorm (k < C): the statistic uses the first k features,
+//      r = sqrt(mean(a[0:k]^2) + eps), y = a / r g + b.   x, y (rows, C); rrms (rows) = 1 / r.
+template <class T>
+void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::int64_t rows, std::int64_t C,
+                      std::int64_t k, double eps) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * C;
+    double ms = 0;
+    for (std::int64_t j = 0; j < k; ++j) ms += static_cast<double>(xr[j]) * xr[j];
+    const double rr = 1.0 / std::sqrt(ms / static_cast<double>(k) + eps);
+    rrms[r] = static_cast<T>(rr);
+    for (std::int64_t j = 0; j < C; ++j)
+      y[r * C + j] = static_cast<T>(xr[j] * rr * (g ? g[j] : 1.0) + (b ? b[j] : 0.0));
+  }
+}
+// The paper's section 4, generalised to pRMSNorm: r depends on a[0:k] only, so
+//   da_i = g_i dy_i / r  -  [i < k] a_i / (k r^3) sum_{j < n} g_j dy_j a_j
+// (every y_j is divided by r, so the sum runs over all n; only d r / d a_i is limited to i < k);
+//   dg = sum over rows of dy a / r;  db = sum over rows of dy.   dy, dx (rows, C); dg, db (C).
+template <class T>
+void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx, T* dg, T* db, std::int64_t rows,
+                       std::int64_t C, std::int64_t k) {
+  std::vector<double> sums(static_cast<std::size_t>(2 * C));
+  double *sum_g = sums.data(), *sum_b = sum_g + C;  // sum over rows of dy a / r, of dy
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * C;
+    const T* dyr = dy + r * C;
+    const double rr = rrms[r];
+    double s = 0;  // sum_j g_j dy_j a_j
+    for (std::int64_t j = 0; j < C; ++j) {
+      s += static_cast<double>(dyr[j]) * (g ? g[j] : 1.0) * xr[j];
+      sum_g[j] += static_cast<double>(dyr[j]) * xr[j] * rr;
+      sum_b[j] += dyr[j];
+    }
+    const double c2 = s * rr * rr * rr / static_cast<double>(k);
+    if (!dx) continue;
+    for (std::int64_t j = 0; j < C; ++j)
+      dx[r * C + j] = static_cast<T>(dyr[j] * (g ? g[j] : 1.0) * rr - (j < k ? xr[j] * c2 : 0.0));
+  }
+  for (std::int64_t j = 0; j < C; ++j) {
+    if (dg) dg[j] = static_cast<T>(sum_g[j]);
+    if (db) db[j] = static_cast<T>(sum_b[j]);
+  }
+}
+
 // ---- LayerNorm: mu = mean(a), var = mean((a - mu)^2), rstd = 1 / sqrt(var + eps),
 //      xhat = (a - mu) rstd, y = xhat g + b.   x, y (rows, C); mean, rstd (rows).
 template <class T>
@@ -30,7 +75,7 @@ void layer_norm_forward(const T* x, const T* g, const T* b, T* y, double* mean, 
     mean[r] = mu;
     rstd[r] = static_cast<T>(rs);
     for (std::int64_t j = 0; j < C; ++j)
-      y[r * C + j] = static_cast<T>((xr[j] - mu) * rs * (g ? g[j] : T(1)) + (b ? b[j] : T(0)));
+      y[r * C + j] = static_cast<T>((xr[j] - mu) * rs * (g ? g[j] : 1.0) + (b ? b[j] : 0.0));
   }
 }
 // With dxhat = g dy:  da = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat))   (the paper's LayerNorm
@@ -46,7 +91,7 @@ void layer_norm_backward(const T* x, const T* g, const double* mean, const T* rs
     const double rs = rstd[r];
     double s1 = 0, s2 = 0;  // sum(dxhat), sum(dxhat xhat)
     for (std::int64_t j = 0; j < C; ++j) {
-      const double xhat = (xr[j] - mean[r]) * rs, dxhat = dyr[j] * (g ? g[j] : T(1));
+      const double xhat = (xr[j] - mean[r]) * rs, dxhat = dyr[j] * (g ? g[j] : 1.0);
       s1 += dxhat;
       s2 += dxhat * xhat;
       sum_g[j] += dyr[j] * xhat;
@@ -54,54 +99,9 @@ void layer_norm_backward(const T* x, const T* g, const double* mean, const T* rs
     }
     if (!dx) continue;
     for (std::int64_t j = 0; j < C; ++j) {
-      const double xhat = (xr[j] - mean[r]) * rs, dxhat = dyr[j] * (g ? g[j] : T(1));
+      const double xhat = (xr[j] - mean[r]) * rs, dxhat = dyr[j] * (g ? g[j] : 1.0);
       dx[r * C + j] = static_cast<T>(rs * (dxhat - (s1 + xhat * s2) / static_cast<double>(C)));
     }
-  }
-  for (std::int64_t j = 0; j < C; ++j) {
-    if (dg) dg[j] = static_cast<T>(sum_g[j]);
-    if (db) db[j] = static_cast<T>(sum_b[j]);
-  }
-}
-
-// ---- RMSNorm (k = C) and partial RMSNorm (k < C): the statistic uses the first k features,
-//      r = sqrt(mean(a[0:k]^2) + eps), y = a / r g + b.   x, y (rows, C); rrms (rows) = 1 / r.
-template <class T>
-void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::int64_t rows, std::int64_t C,
-                      std::int64_t k, double eps) {
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * C;
-    double ms = 0;
-    for (std::int64_t j = 0; j < k; ++j) ms += static_cast<double>(xr[j]) * xr[j];
-    const double rr = 1.0 / std::sqrt(ms / static_cast<double>(k) + eps);
-    rrms[r] = static_cast<T>(rr);
-    for (std::int64_t j = 0; j < C; ++j)
-      y[r * C + j] = static_cast<T>(xr[j] * rr * (g ? g[j] : T(1)) + (b ? b[j] : T(0)));
-  }
-}
-// The paper's section 4, generalised to pRMSNorm: r depends on a[0:k] only, so
-//   da_i = g_i dy_i / r  -  [i < k] a_i / (k r^3) sum_{j < n} g_j dy_j a_j
-// (every y_j is divided by r, so the sum runs over all n; only d r / d a_i is limited to i < k);
-//   dg = sum over rows of dy a / r;  db = sum over rows of dy.   dy, dx (rows, C); dg, db (C).
-template <class T>
-void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx, T* dg, T* db, std::int64_t rows,
-                       std::int64_t C, std::int64_t k) {
-  std::vector<double> sums(static_cast<std::size_t>(2 * C));
-  double *sum_g = sums.data(), *sum_b = sum_g + C;  // sum over rows of dy xhat, of dy
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * C;
-    const T* dyr = dy + r * C;
-    const double rr = rrms[r];
-    double s = 0;  // sum_j g_j dy_j a_j
-    for (std::int64_t j = 0; j < C; ++j) {
-      s += static_cast<double>(dyr[j]) * (g ? g[j] : T(1)) * xr[j];
-      sum_g[j] += static_cast<double>(dyr[j]) * xr[j] * rr;
-      sum_b[j] += dyr[j];
-    }
-    const double c2 = s * rr * rr * rr / static_cast<double>(k);
-    if (!dx) continue;
-    for (std::int64_t j = 0; j < C; ++j)
-      dx[r * C + j] = static_cast<T>(dyr[j] * (g ? g[j] : T(1)) * rr - (j < k ? xr[j] * c2 : 0.0));
   }
   for (std::int64_t j = 0; j < C; ++j) {
     if (dg) dg[j] = static_cast<T>(sum_g[j]);

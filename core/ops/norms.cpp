@@ -49,33 +49,6 @@ std::int64_t prms_k(std::int64_t n, double p) {
   return std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(static_cast<double>(n) * p - 1e-9)));
 }
 
-Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
-  const char* op = "layer_norm";
-  const std::int64_t C = check_row_norm(op, x, weight, bias, eps), rows = x.numel() / C;
-  Tensor y = Tensor::empty(x.shape(), x.dtype());
-  Tensor mean = Tensor::empty(Shape{rows}, DType::f64), rstd = Tensor::empty(Shape{rows}, x.dtype());
-  dispatch_float(op, x.dtype(), [&](auto z) {
-    using T = decltype(z);
-    fast::layer_norm_forward(x.data<T>(), opt_ptr<T>(weight), opt_ptr<T>(bias), y.data<T>(), mean.data<double>(),
-                             rstd.data<T>(), rows, C, eps);
-  });
-  if (should_record({&x, &weight, &bias})) {
-    struct Saved { Tensor x, weight, mean, rstd; };  // weight undefined when absent
-    record(op, {&x, &weight, &bias}, {&y}, Saved{x.detach(), detached(weight), mean, rstd},
-           [rows, C](Node& n, const Saved& s) {
-             Tensor dx = n.new_grad(0), dw = n.new_grad(1), db = n.new_grad(2);
-             dispatch_float("layer_norm", s.x.dtype(), [&](auto z) {
-               using T = decltype(z);
-               fast::layer_norm_backward(s.x.data<T>(), opt_ptr<T>(s.weight), s.mean.data<double>(), s.rstd.data<T>(),
-                                         n.grad_out().data<T>(), grad_ptr<T>(dx), grad_ptr<T>(dw), grad_ptr<T>(db),
-                                         rows, C);
-             });
-             n.pass_grad(0, std::move(dx)); n.pass_grad(1, std::move(dw)); n.pass_grad(2, std::move(db));
-           });
-  }
-  return y;
-}
-
 Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, double p) {
   const char* op = "rms_norm";
   const std::int64_t C = check_row_norm(op, x, weight, bias, eps), rows = x.numel() / C;
@@ -96,6 +69,33 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, doubl
                using T = decltype(z);
                fast::rms_norm_backward(s.x.data<T>(), opt_ptr<T>(s.weight), s.rrms.data<T>(), n.grad_out().data<T>(),
                                        grad_ptr<T>(dx), grad_ptr<T>(dw), grad_ptr<T>(db), rows, C, k);
+             });
+             n.pass_grad(0, std::move(dx)); n.pass_grad(1, std::move(dw)); n.pass_grad(2, std::move(db));
+           });
+  }
+  return y;
+}
+
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  const char* op = "layer_norm";
+  const std::int64_t C = check_row_norm(op, x, weight, bias, eps), rows = x.numel() / C;
+  Tensor y = Tensor::empty(x.shape(), x.dtype());
+  Tensor mean = Tensor::empty(Shape{rows}, DType::f64), rstd = Tensor::empty(Shape{rows}, x.dtype());
+  dispatch_float(op, x.dtype(), [&](auto z) {
+    using T = decltype(z);
+    fast::layer_norm_forward(x.data<T>(), opt_ptr<T>(weight), opt_ptr<T>(bias), y.data<T>(), mean.data<double>(),
+                             rstd.data<T>(), rows, C, eps);
+  });
+  if (should_record({&x, &weight, &bias})) {
+    struct Saved { Tensor x, weight, mean, rstd; };  // weight undefined when absent
+    record(op, {&x, &weight, &bias}, {&y}, Saved{x.detach(), detached(weight), mean, rstd},
+           [rows, C](Node& n, const Saved& s) {
+             Tensor dx = n.new_grad(0), dw = n.new_grad(1), db = n.new_grad(2);
+             dispatch_float("layer_norm", s.x.dtype(), [&](auto z) {
+               using T = decltype(z);
+               fast::layer_norm_backward(s.x.data<T>(), opt_ptr<T>(s.weight), s.mean.data<double>(), s.rstd.data<T>(),
+                                         n.grad_out().data<T>(), grad_ptr<T>(dx), grad_ptr<T>(dw), grad_ptr<T>(db),
+                                         rows, C);
              });
              n.pass_grad(0, std::move(dx)); n.pass_grad(1, std::move(dw)); n.pass_grad(2, std::move(db));
            });
