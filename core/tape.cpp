@@ -109,54 +109,6 @@ const Shape& Node::input_shape(std::size_t i) const {
   return reinterpret_cast<const Shape*>(slots() + n_in_ + n_out_)[k];
 }
 
-bool Node::input_repeated(std::size_t i) const {  // TRANSITIONAL
-  for (std::size_t j = 0; j < n_in_; ++j)
-    if (j != i && slots()[j] == slots()[i]) return true;
-  return false;
-}
-
-GradDest Node::add_grad(std::size_t i) const {
-  if (!needs_grad(i)) return GradDest{};
-  return GradDest{&slots()[i]->grad_accumulator(), true};
-}
-
-GradDest Node::write_grad(std::size_t i) const {
-  if (!needs_grad(i)) return GradDest{};
-  AutogradMeta& m = *slots()[i];
-  // The same tensor passed as two inputs (x * x): both writes add into one zero-filled buffer, so
-  // the kernel's order of writing them does not matter.
-  if (m.grad.defined() || input_repeated(i)) return GradDest{&m.grad_accumulator(), true};
-  return GradDest{&m.grad.set(Tensor::empty(m.shape, m.dtype)), false};
-}
-
-bool Node::take_grad(std::size_t i, Tensor& g) const {
-  if (!needs_grad(i)) return false;
-  AutogradMeta& m = *slots()[i];
-  if (m.grad.defined() || input_repeated(i) || !g.sole_owner() || g.dtype() != m.dtype || !(g.shape() == m.shape))
-    return false;
-  m.grad.set(g);  // a copy first: should set() throw, g is still the caller's
-  g = Tensor();
-  return true;
-}
-
-GradDest Node::write_grad_over_output(std::size_t i, std::size_t j) const {
-  if (needs_grad(i)) {
-    AutogradMeta& m = *slots()[i];
-    AutogradMeta& o = *outputs()[j];
-    const Tensor& og = o.grad.get();
-    if (!m.grad.defined() && !o.retains_grad && og.sole_owner() && og.dtype() == m.dtype && !input_repeated(i)) {
-      const bool same_shape = og.shape() == m.shape;
-      if (same_shape || og.numel() == m.shape.numel()) {
-        m.grad = std::move(o.grad);  // moves the slot's pointer: leaves o.grad undefined
-        Tensor& g = *m.grad.ptr();
-        if (!same_shape) g = g.alias(m.shape);
-        return GradDest{&g, false};
-      }
-    }
-  }
-  return write_grad(i);
-}
-
 std::size_t Node::bytes_saved() const {
   std::size_t b = 0;
   for (std::uint32_t i = 0; i < n_saved_; ++i) b += saved_[i].defined() ? saved_[i].nbytes() : 0;

@@ -34,8 +34,6 @@
 
 namespace tg {
 
-class Node;
-
 class Node {
  public:
   // ---- what a backward closure uses ----
@@ -59,20 +57,6 @@ class Node {
     overwrite_ok_ = true;
     return *this;
   }
-
-  // ---- TRANSITIONAL: the old verbs, removed once every op uses new_grad / pass_grad ----
-  struct GradDest {
-    Tensor* buf = nullptr;
-    bool acc = false;
-    bool defined() const { return buf != nullptr; }
-    template <class T> T* ptr() { return buf ? buf->data<T>() : nullptr; }
-    Tensor tensor() const { return buf ? *buf : Tensor(); }
-  };
-  GradDest write_grad(std::size_t i) const;
-  GradDest write_grad_over_output(std::size_t i, std::size_t j = 0) const;
-  GradDest add_grad(std::size_t i) const;
-  bool take_grad(std::size_t i, Tensor& g) const;
-  bool input_repeated(std::size_t i) const;
 
   // ---- what printing and tools read ----
   const char* name() const { return op_; }  // the op's name, a static string
@@ -137,4 +121,3 @@ Node& record(const char* op, const std::vector<const Tensor*>& inputs, std::init
 }  // namespace tg
 
 #include "tapegrad/detail/record.h"
-namespace tg { using GradDest = Node::GradDest; }  // TRANSITIONAL

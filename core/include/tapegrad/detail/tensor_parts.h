@@ -40,9 +40,8 @@ namespace detail {
 // A gradient held out of line by its autograd slot: a pointer to a Tensor (from a per-thread pool
 // of Tensor-sized blocks, see core/pool.h), null when there is no gradient. A recorded op's slot
 // lives until its node is freed, and most never hold a gradient outside a backward pass, so keeping
-// the 96-byte Tensor out of the slot keeps it at 128 bytes, and the memory a
-// long graph walks with it. Moving a GradSlot moves the pointer: a gradient handed from an op's
-// output to its input (Node::write_grad_over_output) copies nothing.
+// the 96-byte Tensor out of the slot keeps it at 128 bytes, and the memory a long graph walks with
+// it. Moving a GradSlot moves the pointer.
 class GradSlot {
  public:
   GradSlot() = default;
