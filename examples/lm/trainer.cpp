@@ -12,6 +12,7 @@
 #include <fstream>
 
 #include "lm/checkpoint.h"
+#include "lm/gguf_cli.h"
 
 namespace lm {
 
@@ -160,6 +161,7 @@ Trainer::Trainer(const TrainConfig& cfg, const Corpus& corpus, bool resume)
   if (resume_) ck = read_checkpoint(cfg_.out, cfg_.model);  // checked before anything is built
   DataParallel::only_rank0_writes(cfg_);
   build_model();
+  if (!resume_ && !cfg_.init_from.empty()) init_from_gguf(*model_, cfg_.init_from, corpus_);
   if (!cfg_.out.empty()) fs::create_directories(cfg_.out);
   if (resume_) restore(ck);
   par_ = std::make_unique<DataParallel>(*model_, cfg_, step_, batch_gen_);  // refuses ranks that differ
