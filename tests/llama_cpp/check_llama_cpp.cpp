@@ -1,7 +1,7 @@
 // tapegrad against real llama.cpp (npm node-llama-cpp's prebuilt CPU build): a llama-arch
 // RMSNorm model with a character vocabulary is trained by train_lm, exported with
 // --export-gguf (F32 and BF16) and run in llama.cpp, which must
-//   - tokenize a prompt to exactly tapegrad's ids;
+//   - tokenize a prompt to exactly tapegrad's ids, and turn them back into the prompt;
 //   - F32: give next-token probabilities within 1e-4 of tapegrad's for every vocabulary entry, at
 //     every one of 64 greedy steps, and choose the same 64 tokens;
 //   - BF16: give probabilities within 1e-4 of tapegrad's own bfloat16 twin (the file's rounded
@@ -31,7 +31,7 @@ namespace {
 
 constexpr int kSteps = 64;
 constexpr double kTol = 1e-4;
-const char* const kPrompt = "ROMEO:\nWhat say you, my lord?";
+const char* const kPrompt = "ROMEO:\nI will";  // + 64 tokens within the context of 96
 
 struct Paths {
   std::string train_lm, npm, script, corpus;
@@ -115,6 +115,13 @@ Model load_run(const fs::path& dir) {
   return m;
 }
 
+// Text on one line, quoted: newlines as \n.
+std::string escaped(const std::string& text) {
+  std::string out = "\"";
+  for (char c : text) out += c == '\n' ? std::string("\\n") : std::string(1, c);
+  return out + "\"";
+}
+
 bool check(bool ok, const std::string& what) {
   std::cout << (ok ? "ok    " : "FAIL  ") << what << "\n";
   return ok;
@@ -141,7 +148,7 @@ bool check_f32(Model& m, const std::vector<std::int32_t>& prompt, const json& r)
     << " tokens = " << worst << " (tolerance " << kTol << ")";
   bool ok = check(worst <= kTol, w.str());
   ok &= check(same == kSteps, "F32: greedy continuation identical for " + std::to_string(same) + " of " +
-                                  std::to_string(kSteps) + " tokens: '" + m.vocab.decode(context_at({}, r.at("steps"), kSteps)) + "'");
+                                  std::to_string(kSteps) + " tokens: " + escaped(m.vocab.decode(context_at({}, r.at("steps"), kSteps))));
   return ok;
 }
 
@@ -174,7 +181,8 @@ int run_checks(const Paths& p) {
   const fs::path dir = p.work / "run";
   int rc = 0;
   run(quote(p.train_lm) + " --data " + quote(p.corpus) + " --arch llama --norm rmsnorm --n-layer 2 --n-head 2 --n-embd 32" +
-          " --block-size 96 --batch-size 8 --steps 200 --eval-interval 200 --eval-iters 1 --threads 2 --quiet --out " +
+          " --block-size 96 --batch-size 8 --steps 300 --lr 1e-2 --min-lr 1e-3 --warmup 20 --eval-interval 300" +
+          " --eval-iters 1 --threads 2 --quiet --out " +
           quote(dir.string()) + " >/dev/null 2>&1", &rc);
   if (rc != 0) return std::cerr << "train_lm failed (exit " << rc << ")\n", 1;
   for (const char* dtype : {"f32", "bf16"}) {
@@ -188,6 +196,9 @@ int run_checks(const Paths& p) {
   const json f32 = llama_cpp(p, (p.work / "f32.gguf").string());
   bool ok = check(f32.at("tokens").get<std::vector<std::int32_t>>() == prompt,
                   "the prompt tokenizes to tapegrad's " + std::to_string(prompt.size()) + " ids");
+  std::string pieces;
+  for (const auto& piece : f32.at("pieces")) pieces += piece.get<std::string>();
+  ok &= check(pieces == kPrompt, "and its tokens detokenize to the prompt: " + escaped(pieces));
   ok &= check_f32(m, prompt, f32);
   ok &= check_bf16(m, p.work / "bf16.gguf", prompt, llama_cpp(p, (p.work / "bf16.gguf").string()));
   return ok ? 0 : 1;
