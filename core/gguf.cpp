@@ -126,6 +126,7 @@ class GGUFCodec {
   static GGUFValue scalar(GGUFType t, std::uint64_t bits) {
     GGUFValue v;
     v.type_ = t;
+    v.raw_.clear();
     put_le(v.raw_, bits, scalar_size(t));
     return v;
   }
@@ -242,18 +243,14 @@ const std::vector<std::string>& GGUFValue::as_strings(const std::string& what) c
 }
 
 void GGUFMetadata::set(const std::string& key, GGUFValue v) {
-  for (auto& [k, old] : items_)
-    if (k == key) {
-      old = std::move(v);
-      return;
-    }
-  items_.emplace_back(key, std::move(v));
+  const auto [it, added] = index_.emplace(key, items_.size());
+  if (added) items_.emplace_back(key, std::move(v));
+  else items_[it->second].second = std::move(v);
 }
 
 const GGUFValue* GGUFMetadata::find(const std::string& key) const {
-  for (const auto& [k, v] : items_)
-    if (k == key) return &v;
-  return nullptr;
+  const auto it = index_.find(key);
+  return it == index_.end() ? nullptr : &items_[it->second].second;
 }
 
 const GGUFValue& GGUFMetadata::at(const std::string& key) const {
@@ -478,11 +475,10 @@ GGUFValue read_array(Cursor& c, const std::string& what) {
 
 GGUFMetadata read_metadata(Cursor& c, std::uint64_t n_kv) {
   GGUFMetadata md;
-  std::set<std::string> seen;
   for (std::uint64_t i = 0; i < n_kv; ++i) {
     const std::string key = c.string("metadata key " + std::to_string(i));
     if (key.empty()) fail_at(c.ctx(), "metadata key ", i, " is empty");
-    if (!seen.insert(key).second) fail_at(c.ctx(), "duplicate metadata key '", key, "'");
+    if (md.contains(key)) fail_at(c.ctx(), "duplicate metadata key '", key, "'");
     const std::string what = "metadata '" + key + "'";
     const GGUFType t = read_type(c, what);
     if (t == GGUFType::string) md.set(key, GGUFCodec::string(c.string(what)));

@@ -35,6 +35,7 @@ void settle_gguf_options(const GGUFOptions& o, const CLI::App& app, bool resumin
   if (app.count("--gguf-dtype") && o.export_file.empty()) fail("--gguf-dtype", "applies to --export-gguf only");
   if (o.init_from.empty()) return;
   if (resuming) fail("--init-from", "starts a new run; not with --resume");
+  if (app.count("--compare")) fail("--init-from", "starts one run from the file's model; not with --compare");
   const nn::GGUFModel m = nn::load_gguf_model(o.init_from);
   const double dropout = c.model.dropout;
   c.model = m.config;

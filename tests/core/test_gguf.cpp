@@ -167,6 +167,16 @@ TEST_CASE("GGUF values refuse reads of another type, naming the key", "[gguf]") 
   CHECK(GGUFValue::of_i32(5).as_uint("k") == 5);
   CHECK(GGUFValue::of_u32(5).as_double("k") == 5.0);
   REQUIRE_TG_ERROR(GGUFMetadata().at("general.name"), "no metadata key 'general.name'");
+  CHECK(GGUFValue().as_uint("k") == 0);  // a default value is UINT32 0, and writes as one
+  GGUFMetadata md;
+  md.set("a", GGUFValue());
+  md.set("b", GGUFValue::of_u32(1));
+  md.set("a", GGUFValue::of_string("x"));  // replaced in place
+  CHECK(md.size() == 2);
+  CHECK(md.begin()->first == "a");
+  const GGUFFile back = from_gguf_bytes(to_gguf_bytes({}, md));
+  CHECK(back.metadata.at("a").as_string("a") == "x");
+  CHECK(back.metadata.at("b").as_uint("b") == 1);
 }
 
 TEST_CASE("the bytes follow the GGUF v3 layout: reversed dims, 32-byte alignment, padded tensors", "[gguf]") {

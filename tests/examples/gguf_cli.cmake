@@ -85,6 +85,7 @@ expect_refusal("gpt arch" --resume ${WORK_DIR}/gpt --export-gguf ${WORK_DIR}/out
 expect_refusal("needs --resume" ${tiny} --export-gguf ${WORK_DIR}/out/x.gguf)
 expect_refusal("applies to --export-gguf only" ${tiny} --gguf-dtype bf16)
 expect_refusal("not with --resume" --resume ${WORK_DIR}/llama --init-from ${WORK_DIR}/llama.gguf)
+expect_refusal("not with --compare" ${tiny} --compare --init-from ${WORK_DIR}/llama.gguf)
 expect_refusal("cannot open" ${tiny} --init-from ${WORK_DIR}/missing.gguf)
 expect_refusal("not a GGUF file" ${tiny} --init-from ${WORK_DIR}/ok.txt)
 set(LAST_LINE ON)

@@ -13,6 +13,7 @@
 // tapegrad reads and writes F32, BF16 (ggml types 0 and 30), F64 and I32 (28 and 26); the
 // quantised types are refused with their name.
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -64,7 +65,7 @@ class GGUFValue {
  private:
   friend class GGUFCodec;  // the reader and writer (core/gguf.cpp)
   GGUFType type_ = GGUFType::u32, element_ = GGUFType::u8;
-  std::string raw_;                   // a scalar's or a numeric array's little-endian bytes
+  std::string raw_ = std::string(4, '\0');  // a scalar's or a numeric array's little-endian bytes (UINT32 0)
   std::string str_;                   // a string
   std::vector<std::string> strings_;  // an array of strings
 };
@@ -83,6 +84,7 @@ class GGUFMetadata {
 
  private:
   std::vector<Item> items_;
+  std::map<std::string, std::size_t> index_;
 };
 
 // What a GGUF file holds. Tensor shapes are tapegrad's (row-major, outermost first): ggml's ne
