@@ -26,8 +26,8 @@ bool is_one_character(const std::string& s) {
 Tensor rows(const Tensor& w, std::int64_t begin, std::int64_t end) {
   const std::int64_t cols = w.size(1);
   Tensor out = Tensor::empty({end - begin, cols}, w.dtype());
-  std::memcpy(out.raw_data(), static_cast<const char*>(w.raw_data()) + begin * cols * static_cast<std::int64_t>(itemsize(w.dtype())),
-              out.nbytes());
+  const std::size_t skip = static_cast<std::size_t>(begin * cols) * itemsize(w.dtype());
+  std::memcpy(out.raw_data(), static_cast<const char*>(w.raw_data()) + skip, out.nbytes());
   return out;
 }
 
@@ -184,6 +184,20 @@ std::int64_t key_int(const GGUFMetadata& md, const std::string& key, const std::
   return static_cast<std::int64_t>(u);
 }
 
+// The widths and RoPE of the file against what tapegrad's llama computes for c.
+void check_shape_keys(const GGUFMetadata& md, const GPTConfig& c, const std::string& what) {
+  const char* op = what.c_str();
+  if (c.n_embd % c.n_head != 0) fail(op, "embedding_length ", c.n_embd, " is not a multiple of head_count ", c.n_head);
+  if (const std::int64_t ff = key_int(md, "llama.feed_forward_length", what); ff != c.ffn_hidden())
+    fail(op, "feed_forward_length ", ff, " is not tapegrad's ", c.ffn_hidden(), " for width ", c.n_embd);
+  if (md.contains("llama.rope.dimension_count"))
+    if (const std::int64_t rot = key_int(md, "llama.rope.dimension_count", what); rot != c.head_size())
+      fail(op, "RoPE turns ", rot, " dims of each head; tapegrad all ", c.head_size());
+  if (const GGUFValue* base = md.find("llama.rope.freq_base"))
+    if (const double b = base->as_double(what + ": llama.rope.freq_base"); b != kRopeBase)
+      fail(op, "rope.freq_base is ", b, "; tapegrad's llama uses ", kRopeBase);
+}
+
 // The configuration the metadata describes, checked against what tapegrad's llama computes.
 GPTConfig read_config(const GGUFMetadata& md, const std::string& what) {
   const GGUFValue* arch = md.find("general.architecture");
@@ -201,15 +215,7 @@ GPTConfig read_config(const GGUFMetadata& md, const std::string& what) {
   const GGUFValue* exact = md.find("tapegrad.norm_eps");
   c.eps = exact ? exact->as_double(what + ": tapegrad.norm_eps")
                 : md.at("llama.attention.layer_norm_rms_epsilon").as_double(what + ": layer_norm_rms_epsilon");
-  if (c.n_embd % c.n_head != 0) fail(what.c_str(), "embedding_length ", c.n_embd, " is not a multiple of head_count ", c.n_head);
-  if (key_int(md, "llama.feed_forward_length", what) != c.ffn_hidden())
-    fail(what.c_str(), "feed_forward_length ", key_int(md, "llama.feed_forward_length", what), " is not tapegrad's ",
-         c.ffn_hidden(), " for width ", c.n_embd);
-  if (md.contains("llama.rope.dimension_count") && key_int(md, "llama.rope.dimension_count", what) != c.head_size())
-    fail(what.c_str(), "RoPE turns ", key_int(md, "llama.rope.dimension_count", what), " dims of each head; tapegrad all ",
-         c.head_size());
-  if (const GGUFValue* base = md.find("llama.rope.freq_base"); base && base->as_double(what + ": rope.freq_base") != kRopeBase)
-    fail(what.c_str(), "rope.freq_base is ", base->as_double("rope.freq_base"), "; tapegrad's llama uses ", kRopeBase);
+  check_shape_keys(md, c, what);
   return c;
 }
 

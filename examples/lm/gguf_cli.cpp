@@ -54,8 +54,10 @@ std::string export_run_gguf(const std::string& run_dir, const GGUFOptions& o) {
   nn::GPT model(r.model);
   model.load_state_dict(weights);
   const DType dtype = o.dtype == "bf16" ? DType::bf16 : DType::f32;
-  nn::save_gguf_model(o.export_file, model, characters(vocabulary_only(ck.meta["vocab"])), {dtype, "tapegrad " + run_dir});
-  return "wrote " + o.export_file + " (llama.cpp llama arch, " + o.dtype + ", step " + ck.meta["step"] + " of " + run_dir + ")";
+  const std::vector<std::string> vocab = characters(vocabulary_only(ck.meta["vocab"]));
+  nn::save_gguf_model(o.export_file, model, vocab, {dtype, "tapegrad " + run_dir});
+  return "wrote " + o.export_file + " (llama.cpp llama arch, " + o.dtype + ", step " + ck.meta["step"] + " of " +
+         run_dir + ")";
 }
 
 void init_from_gguf(nn::GPT& model, const std::string& file, const Corpus& corpus) {

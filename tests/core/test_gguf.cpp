@@ -273,7 +273,8 @@ TEST_CASE("a damaged header, counts or metadata are refused with the field named
   std::string more = small_file();
   more[8] = 2;  // tensor count 2: the second info would start in the padding
   REQUIRE_TG_ERROR(from_gguf_bytes(more), "load_gguf: ", "tensor info 1");
-  REQUIRE_BAD(Bytes().header(0, 1).u64(std::uint64_t(1) << 62).raw(std::string(16, 'x')).s, "truncated: metadata key 0 (4611686018427387904 bytes)");
+  REQUIRE_BAD(Bytes().header(0, 1).u64(std::uint64_t(1) << 62).raw(std::string(16, 'x')).s,
+              "truncated: metadata key 0 (4611686018427387904 bytes)");
   REQUIRE_BAD(Bytes().header(0, 1).str("").u32(4).u32(1).s, "metadata key 0 is empty");
   REQUIRE_BAD(Bytes().header(0, 1).str("k").u32(13).u32(1).s, "metadata 'k': unknown value type 13");
   REQUIRE_BAD(Bytes().header(0, 1).str("k").u32(7).u(2, 1).s, "metadata 'k': BOOL byte is 2");

@@ -147,8 +147,9 @@ bool check_f32(Model& m, const std::vector<std::int32_t>& prompt, const json& r)
   w << "F32: max |p_llama.cpp - p_tapegrad| over " << kSteps << " steps x " << m.vocab.vocab_size()
     << " tokens = " << worst << " (tolerance " << kTol << ")";
   bool ok = check(worst <= kTol, w.str());
+  const std::string text = escaped(m.vocab.decode(context_at({}, r.at("steps"), kSteps)));
   ok &= check(same == kSteps, "F32: greedy continuation identical for " + std::to_string(same) + " of " +
-                                  std::to_string(kSteps) + " tokens: " + escaped(m.vocab.decode(context_at({}, r.at("steps"), kSteps))));
+                                  std::to_string(kSteps) + " tokens: " + text);
   return ok;
 }
 
