@@ -4,10 +4,13 @@
 //   - tokenize a prompt to exactly tapegrad's ids, and turn them back into the prompt;
 //   - F32: give next-token probabilities within 1e-4 of tapegrad's for every vocabulary entry, at
 //     every one of 64 greedy steps, and choose the same 64 tokens;
-//   - BF16: give probabilities within 1e-4 of tapegrad's own bfloat16 twin (the file's rounded
-//     weights, products with bfloat16 operands and float32 sums under tg::AutocastGuard, which is
-//     what ggml's BF16 matrix product computes), and within the distance that bf16 rounding
-//     moves tapegrad's own probabilities (twin against float32) plus 1e-4 of the float32 model.
+//   - BF16: give probabilities within 2 R of tapegrad's float32 ones, where R is how far bf16
+//     rounding moves tapegrad's own: R = max |twin - float32|, the twin being tapegrad with the
+//     file's rounded weights and products of bfloat16 operands with float32 sums
+//     (tg::AutocastGuard), which is what ggml's BF16 matrix product computes; and lie within R / 2
+//     of the twin, so that the difference from float32 is the rounding. The twin does not match
+//     to 1e-4: an activation whose float32 value sits near a bfloat16 rounding boundary can round
+//     one bfloat16 step (2^-8 relative) apart after sums taken in another order.
 // Exit 77 with a one-line reason when node (>= 20) or the package is absent.
 //   check_llama_cpp TRAIN_LM NPM_DIR SCRIPT CORPUS WORK_DIR
 #include <algorithm>
@@ -169,11 +172,11 @@ bool check_bf16(Model& m, const fs::path& gguf, const std::vector<std::int32_t>&
     for (std::size_t i = 0; i < p32.size(); ++i) rounding = std::max(rounding, std::fabs(pbf[i] - p32[i]));
   }
   std::ostringstream a, b;
-  a << "BF16: max |p_llama.cpp - p_tapegrad bf16 twin| = " << vs_twin << " (tolerance " << kTol << ")";
-  b << "BF16: max |p_llama.cpp - p_tapegrad float32| = " << vs_f32 << " (tolerance: bf16 rounding moves tapegrad's own by "
-    << rounding << ", + " << kTol << " = " << rounding + kTol << ")";
-  const bool ok = check(vs_twin <= kTol, a.str());
-  return check(vs_f32 <= rounding + kTol, b.str()) && ok;
+  a << "BF16: max |p_llama.cpp - p_tapegrad float32| = " << vs_f32 << " (tolerance 2 R = " << 2 * rounding
+    << ", R = " << rounding << ": how far bf16 rounding moves tapegrad's own)";
+  b << "BF16: max |p_llama.cpp - p_tapegrad bf16 twin| = " << vs_twin << " (tolerance R / 2 = " << rounding / 2 << ")";
+  const bool ok = check(vs_f32 <= 2 * rounding, a.str());
+  return check(vs_twin <= rounding / 2, b.str()) && ok;
 }
 
 int run_checks(const Paths& p) {
@@ -182,8 +185,8 @@ int run_checks(const Paths& p) {
   const fs::path dir = p.work / "run";
   int rc = 0;
   run(quote(p.train_lm) + " --data " + quote(p.corpus) + " --arch llama --norm rmsnorm --n-layer 2 --n-head 2 --n-embd 32" +
-          " --block-size 96 --batch-size 8 --steps 300 --lr 1e-2 --min-lr 1e-3 --warmup 20 --eval-interval 300" +
-          " --eval-iters 1 --threads 2 --quiet --out " +
+          " --block-size 96 --batch-size 8 --steps 800 --lr 1e-2 --min-lr 1e-3 --warmup 20 --eval-interval 800" +
+          " --eval-iters 1 --threads 1 --quiet --out " +
           quote(dir.string()) + " >/dev/null 2>&1", &rc);
   if (rc != 0) return std::cerr << "train_lm failed (exit " << rc << ")\n", 1;
   for (const char* dtype : {"f32", "bf16"}) {
@@ -214,6 +217,9 @@ int main(int argc, char** argv) {
     std::cout << "skipped: " << why << "\n";
     return 77;
   }
+  // One thread everywhere: the model is tiny, and on a shared machine idle threads spinning in
+  // OpenMP's barriers cost far more than they save.
+  tg::set_num_threads(1);
   try {
     return run_checks(p);
   } catch (const std::exception& e) {

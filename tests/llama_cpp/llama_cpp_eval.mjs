@@ -13,14 +13,14 @@ const { getLlama, LlamaLogLevel } = await import(pathToFileURL(entry).href);
 
 const llama = await getLlama({
   gpu: false, build: "never", usePrebuiltBinaries: true, skipDownload: true, progressLogs: false,
-  logLevel: LlamaLogLevel.error, maxThreads: 2,
+  logLevel: LlamaLogLevel.error, maxThreads: 1,
 });
 const model = await llama.loadModel({ modelPath, gpuLayers: 0 });
 const prompt = fs.readFileSync(promptFile, "utf8");
 const n = Number(nText);
 const tokens = Array.from(model.tokenize(prompt));
 const context = await model.createContext({
-  contextSize: model.trainContextSize, sequences: 1, flashAttention: false,
+  contextSize: model.trainContextSize, sequences: 1, flashAttention: false, threads: 1,
   experimentalKvCacheKeyType: "F32", experimentalKvCacheValueType: "F32",
 });
 const steps = [];
