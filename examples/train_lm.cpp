@@ -25,6 +25,7 @@
 #include <sstream>
 
 #include "lm/checkpoint.h"
+#include "lm/gguf_cli.h"
 #include "lm/parallel.h"
 #include "lm/report.h"
 #include "lm/resume.h"
@@ -43,9 +44,10 @@ struct Options {
   bool compare = false, quiet = false, trace = false, overwrite = false;
   int seeds = 1, threads = 0;
   std::string resume;  // a run directory to continue
+  lm::GGUFOptions gguf;
 };
 
-enum class Mode { train, compare, resume, trace };
+enum class Mode { train, compare, resume, trace, export_gguf };
 
 // Validators whose messages read as sentences ("--steps: must be >= 0, got -1").
 CLI::Validator bound(const char* what, double lo, bool lo_open, double hi = INFINITY) {
@@ -187,6 +189,7 @@ int parse(CLI::App& app, Options& o, int argc, char** argv, std::string& error) 
     check.validate();
     o.c.progress = !o.quiet;
     o.c.model.norm = tg::nn::parse_norm_kind(o.norm);
+    lm::settle_gguf_options(o.gguf, app, !o.resume.empty(), o.c);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
@@ -207,6 +210,7 @@ std::string options_text(const Options& o) {
 
 Mode pick_mode(const Options& o) {
   if (o.trace) return Mode::trace;
+  if (!o.gguf.export_file.empty()) return Mode::export_gguf;
   if (!o.resume.empty()) return Mode::resume;
   return o.compare ? Mode::compare : Mode::train;
 }
@@ -417,6 +421,7 @@ void run(Mode mode, const Options& o, const CLI::App& app) {
   std::vector<lm::RunResult> runs;
   switch (mode) {
     case Mode::trace: trace_one_step(o); return;
+    case Mode::export_gguf: std::cerr << lm::export_run_gguf(o.resume, o.gguf) << "\n"; return;
     case Mode::resume: resume(o, app); return;
     case Mode::train: runs = train_runs(o, {o.c.model.norm}); break;
     case Mode::compare:
@@ -452,6 +457,7 @@ int main(int argc, char** argv) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   add_model_options(app, o);
   add_training_options(app, o);
+  lm::add_gguf_options(app, o.gguf);
   mark_resume_flags(app);
   std::string error;
   if (const int rc = job.settle_parse(parse(app, o, argc, argv, error), error); rc >= 0) return rc;

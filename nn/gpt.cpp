@@ -188,6 +188,12 @@ Tensor GPT::loss(const Tensor& ids, const Tensor& targets) {
   return cross_entropy(logits.reshape({-1, cfg_.vocab_size}), targets.reshape({-1}));
 }
 
+void GPT::load_state_dict(const StateDict& sd, bool strict) {
+  StateDict named = sd;  // shares the tensors; only the names change
+  upgrade_state_dict(named, cfg_.arch);
+  Module::load_state_dict(named, strict);
+}
+
 std::size_t upgrade_state_dict(StateDict& sd, Arch arch, const std::string& prefix) {
   const std::pair<std::string, std::string> legacy[] = {
       {".attn.qkv.", ".qkv."}, {".attn.proj.", ".proj."}, {".mlp.fc.", ".fc."}, {".mlp.fc_out.", ".fc_out."}};

@@ -17,6 +17,7 @@
 #include "tapegrad/checkpoint.h"
 #include "lm/run_dir.h"
 #include "lm/signals.h"
+#include "lm/gguf_cli.h"
 
 namespace lm {
 
@@ -156,6 +157,7 @@ Trainer::Trainer(const TrainConfig& cfg, const Corpus& corpus, bool resume)
   DataParallel::only_rank0_writes(cfg_);
   if (!cfg_.out.empty()) lock_ = RunLock(cfg_.out);  // creates the directory; one writer at a time
   build_model();
+  if (!resume_ && !cfg_.init_from.empty()) init_from_gguf(*model_, cfg_.init_from, corpus_);
   if (resume_) restore(ck);
   par_ = std::make_unique<DataParallel>(*model_, cfg_, step_, batch_gen_);  // refuses ranks that differ
   r_.start_step = step_;

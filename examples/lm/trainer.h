@@ -61,6 +61,7 @@ struct TrainConfig {
   // Recompute each block in the backward (nn::GPT::set_gradient_checkpointing): less memory, the
   // same numbers. How a run is computed, not what it computes: not in the saved run's config.
   bool gradient_checkpointing = false;
+  std::string init_from;          // a GGUF whose weights start a new run (--init-from; lm/gguf_cli.h)
 };
 
 struct EvalPoint {

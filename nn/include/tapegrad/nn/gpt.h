@@ -137,6 +137,10 @@ class GPT : public Module {
   bool gradient_checkpointing() const;  // every block checkpoints
   std::string type_name() const override { return "GPT"; }
   const GPTConfig& config() const { return cfg_; }
+  // Module::load_state_dict, taking the names of earlier versions and of PyTorch's save_model as
+  // well (upgrade_state_dict, on a copy): a gpt model's model.safetensors, whose tied head is
+  // stored as head.weight, loads as it is.
+  void load_state_dict(const StateDict& sd, bool strict = true) override;
 
   std::shared_ptr<Embedding> wte, wpe;  // wpe: gpt only
   std::shared_ptr<Dropout> drop;

@@ -52,7 +52,7 @@ class Module {
   StateDict state_dict() const;
   // Copies values in. Every problem is collected first and reported in one tg::Error (missing
   // keys, unexpected keys when strict, shape or dtype mismatches); on error nothing is changed.
-  void load_state_dict(const StateDict& sd, bool strict = true);
+  virtual void load_state_dict(const StateDict& sd, bool strict = true);
 
   // PyTorch-like printout: type, settings and children.
   virtual std::string type_name() const = 0;

@@ -1,0 +1,71 @@
+#include "lm/gguf_cli.h"
+
+#include <CLI/CLI.hpp>
+#include <tapegrad/nn/gguf_export.h>
+
+#include "lm/checkpoint.h"
+
+namespace lm {
+
+using namespace tg;
+
+namespace {
+
+std::vector<std::string> characters(const Corpus& vocab) {
+  std::vector<std::string> out;
+  for (char32_t c : vocab.vocab) out.push_back(encode_utf8(c));
+  return out;
+}
+
+}  // namespace
+
+void add_gguf_options(CLI::App& app, GGUFOptions& o) {
+  app.add_option("--export-gguf", o.export_file,
+                 "with --resume DIR: write the run's weights and vocabulary as a llama.cpp GGUF model file "
+                 "(llama arch with RMSNorm; docs/gguf.md), then exit");
+  app.add_option("--gguf-dtype", o.dtype, "the GGUF's matrices: f32 (exact) or bf16")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--init-from", o.init_from,
+                 "start a new run from a GGUF model file tapegrad wrote: its configuration and weights");
+}
+
+void settle_gguf_options(const GGUFOptions& o, const CLI::App& app, bool resuming, TrainConfig& c) {
+  if (!o.export_file.empty() && !resuming) fail("--export-gguf", "needs --resume DIR (the run to export)");
+  if (app.count("--gguf-dtype") && o.export_file.empty()) fail("--gguf-dtype", "applies to --export-gguf only");
+  if (o.init_from.empty()) return;
+  if (resuming) fail("--init-from", "starts a new run; not with --resume");
+  if (app.count("--compare")) fail("--init-from", "starts one run from the file's model; not with --compare");
+  const nn::GGUFModel m = nn::load_gguf_model(o.init_from);
+  const double dropout = c.model.dropout;
+  c.model = m.config;
+  c.model.dropout = dropout;
+  c.init_from = o.init_from;
+}
+
+std::string export_run_gguf(const std::string& run_dir, const GGUFOptions& o) {
+  if (job_size() > 1) fail("--export-gguf", "writes one file: run it without mpirun");
+  const TrainConfig r = read_checkpoint_config(run_dir);
+  if (const std::string why = nn::gguf_unsupported_reason(r.model); !why.empty()) fail("--export-gguf", why);
+  Checkpoint ck = read_checkpoint(run_dir, r.model);
+  StateDict weights;
+  for (const auto& [k, t] : ck.tensors)
+    if (k.rfind("model.", 0) == 0) weights.insert(k.substr(6), t);
+  nn::GPT model(r.model);
+  model.load_state_dict(weights);
+  const DType dtype = o.dtype == "bf16" ? DType::bf16 : DType::f32;
+  const std::vector<std::string> vocab = characters(vocabulary_only(ck.meta["vocab"]));
+  nn::save_gguf_model(o.export_file, model, vocab, {dtype, "tapegrad " + run_dir});
+  return "wrote " + o.export_file + " (llama.cpp llama arch, " + o.dtype + ", step " + ck.meta["step"] + " of " +
+         run_dir + ")";
+}
+
+void init_from_gguf(nn::GPT& model, const std::string& file, const Corpus& corpus) {
+  const nn::GGUFModel m = nn::load_gguf_model(file);
+  if (m.vocab != characters(corpus))
+    fail("--init-from", "the corpus '", corpus.path, "' has a different vocabulary from '", file, "' (",
+         corpus.vocab.size(), " characters against ", m.vocab.size(), " tokens)");
+  model.load_state_dict(m.state_dict);  // refuses a configuration that differs, naming the tensors
+}
+
+}  // namespace lm
