@@ -65,7 +65,8 @@ void add_into(Tensor& dst, const Tensor& src) {
 Tensor Node::new_grad(std::size_t i) const {
   if (!needs_grad(i)) return Tensor();
   const AutogradMeta& m = *slots()[i];
-  if (overwrite_ok_ && !grad_out_given_ && n_out_ > 0) {
+  // (Not in anomaly mode: its check after the node reads dy, to say whether the NaN came from upstream.)
+  if (overwrite_ok_ && !grad_out_given_ && n_out_ > 0 && !detail::t_anomaly) {
     const AutogradMeta& o = *outputs()[0];
     const Tensor& dy = o.grad.get();
     if (!o.retains_grad && dy.defined() && dy.sole_owner() && dy.dtype() == m.dtype && dy.numel() == m.shape.numel()) {

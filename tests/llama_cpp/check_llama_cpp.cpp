@@ -26,6 +26,7 @@
 #include <tapegrad/nn/gguf_export.h>
 
 #include "lm/checkpoint.h"
+#include "tapegrad/autocast.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
