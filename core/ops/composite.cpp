@@ -1,4 +1,4 @@
-// Composite twins of the fused norms and attention ops, written with primitive ops only: their
+// Composite twins of the fused norm, attention and LLaMA ops, written with primitive ops only: their
 // gradients come from the tape, independently of the hand-derived kernels. Slower and hungrier
 // (every intermediate is a tensor kept for backward); they exist to check the fused ops and to
 // read next to them.
@@ -7,6 +7,7 @@
 
 #include "dispatch.h"
 #include "ops/attention.h"
+#include "ops/llama.h"
 #include "tapegrad/composite.h"
 #include "tapegrad/ops.h"
 
@@ -70,6 +71,32 @@ Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
   Tensor q = parts[0].reshape({B, H, Tn, hs}), k = parts[1].reshape({B, H, Tn, hs}), v = parts[2].reshape({B, H, Tn, hs});
   Tensor att = tg::scaled_causal_softmax(matmul(q, k, false, true), detail::attention_scale(hs));
   return permute(matmul(att, v), {0, 2, 1, 3}).reshape({B, Tn, C});
+}
+
+// ---- the LLaMA block's ops ----
+
+Tensor silu(const Tensor& x) { return x * sigmoid(x); }
+
+Tensor swiglu(const Tensor& x) {
+  const std::int64_t F = detail::check_swiglu("swiglu", x);
+  return composite::silu(slice(x, -1, 0, F)) * slice(x, -1, F, 2 * F);
+}
+
+// The reference's layout: q (B, H, Tn, hs) from the rotated columns, q * cos + rotate_half(q) * sin
+// with rotate_half(q) = cat(-q[..., half:], q[..., :half]), then back to (B, Tn, D) beside the
+// columns that pass through.
+Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, std::int64_t head_size, std::int64_t rotated,
+            std::int64_t pos0) {
+  const detail::RopeDims d = detail::check_rope("rope", x, cos, sin, head_size, rotated, pos0);
+  if (d.rotated == 0) return clone(x);
+  const std::int64_t hs = head_size, half = hs / 2, H = d.rotated / hs;
+  Tensor x3 = x.reshape({d.B, d.Tn, d.D});
+  Tensor q = permute(slice(x3, 2, 0, d.rotated).reshape({d.B, d.Tn, H, hs}), {0, 2, 1, 3});
+  Tensor q_half = cat({neg(slice(q, 3, half, hs)), slice(q, 3, 0, half)}, 3);
+  Tensor c = slice(cos, 0, pos0, pos0 + d.Tn), s = slice(sin, 0, pos0, pos0 + d.Tn);  // (Tn, hs)
+  Tensor y = permute(q * c + q_half * s, {0, 2, 1, 3}).reshape({d.B, d.Tn, d.rotated});
+  if (d.rotated < d.D) y = cat({y, slice(x3, 2, d.rotated, d.D)}, 2);
+  return y.reshape(x.shape());
 }
 
 }  // namespace tg::composite

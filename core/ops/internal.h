@@ -12,6 +12,10 @@ namespace tg::detail {
 // Any dtype; no autograd.
 void permute_into(const Tensor& x, const std::vector<int>& perm, Tensor& y);
 
+// A norm's per-feature parameter (gain, bias, running statistic) must be undefined or (C,) of x's
+// dtype: tg::Error naming the op and the shapes otherwise (core/ops/norms.cpp).
+void check_norm_param(const char* op, const char* what, const Tensor& p, const Tensor& x, std::int64_t C);
+
 // The inverse permutation: inv[perm[d]] = d.
 std::vector<int> inverse_perm(const std::vector<int>& perm);
 

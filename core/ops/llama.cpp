@@ -7,6 +7,7 @@
 
 #include "dispatch.h"
 #include "kernels/llama.h"
+#include "ops/llama.h"
 #include "tapegrad/autograd.h"
 #include "tapegrad/composite.h"
 #include "tapegrad/ops.h"
@@ -16,10 +17,7 @@ namespace tg {
 using namespace kernels;
 using detail::dispatch_float;
 
-namespace {
-
-// SwiGLU's x (..., 2F): returns F.
-std::int64_t check_swiglu(const char* op, const Tensor& x) {
+std::int64_t detail::check_swiglu(const char* op, const Tensor& x) {
   detail::check_float(op, x);
   if (x.dim() < 1) fail(op, "needs at least 1 dim (..., 2F), got a 0-d tensor");
   const std::int64_t two_f = x.size(-1);
@@ -28,14 +26,11 @@ std::int64_t check_swiglu(const char* op, const Tensor& x) {
   return two_f / 2;
 }
 
+namespace {
+
 void check_head_size(const char* op, std::int64_t hs) {
   if (hs <= 0 || hs % 2 != 0) fail(op, "head_size must be even and positive, got ", hs);
 }
-
-// RoPE's x viewed as (B, Tn, D), and the columns it turns.
-struct RopeDims {
-  std::int64_t B, Tn, D, rotated;
-};
 
 // The tables: defined, x's dtype, (P, hs) each, P >= pos0 + Tn.
 void check_rope_tables(const char* op, const Tensor& x, const Tensor& cos, const Tensor& sin, std::int64_t hs,
@@ -53,8 +48,10 @@ void check_rope_tables(const char* op, const Tensor& x, const Tensor& cos, const
          " positions from pos0 ", pos0);
 }
 
-RopeDims check_rope(const char* op, const Tensor& x, const Tensor& cos, const Tensor& sin, std::int64_t hs,
-                    std::int64_t rotated, std::int64_t pos0) {
+}  // namespace
+
+detail::RopeDims detail::check_rope(const char* op, const Tensor& x, const Tensor& cos, const Tensor& sin,
+                                    std::int64_t hs, std::int64_t rotated, std::int64_t pos0) {
   detail::check_float(op, x);
   if (x.dim() != 2 && x.dim() != 3) fail(op, "expected x of shape (B, T, D) or (T, D), got ", x.shape());
   check_head_size(op, hs);
@@ -68,6 +65,8 @@ RopeDims check_rope(const char* op, const Tensor& x, const Tensor& cos, const Te
   check_rope_tables(op, x, cos, sin, hs, pos0, d.Tn);
   return d;
 }
+
+namespace {
 
 }  // namespace
 
@@ -97,7 +96,7 @@ Tensor silu(const Tensor& x) {
 
 Tensor swiglu(const Tensor& x) {
   const char* op = "swiglu";
-  const std::int64_t F = check_swiglu(op, x), rows = F > 0 ? x.numel() / (2 * F) : 0;
+  const std::int64_t F = detail::check_swiglu(op, x), rows = F > 0 ? x.numel() / (2 * F) : 0;
   Shape out = x.shape();
   out[out.ndim() - 1] = F;
   Tensor y = Tensor::empty(out, x.dtype());
@@ -136,7 +135,7 @@ std::pair<Tensor, Tensor> rope_tables(std::int64_t max_pos, std::int64_t head_si
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, std::int64_t head_size, std::int64_t rotated,
             std::int64_t pos0) {
   const char* op = "rope";
-  const RopeDims d = check_rope(op, x, cos, sin, head_size, rotated, pos0);
+  const detail::RopeDims d = detail::check_rope(op, x, cos, sin, head_size, rotated, pos0);
   Tensor y = Tensor::empty(x.shape(), x.dtype());
   dispatch_float(op, x.dtype(), [&](auto z) {
     using T = decltype(z);
@@ -157,34 +156,5 @@ Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, std::int64_t 
   }
   return y;
 }
-
-// ---- the composite twins: primitive ops only, gradients from the tape ----
-namespace composite {
-
-Tensor silu(const Tensor& x) { return x * sigmoid(x); }
-
-Tensor swiglu(const Tensor& x) {
-  const std::int64_t F = check_swiglu("swiglu", x);
-  return composite::silu(slice(x, -1, 0, F)) * slice(x, -1, F, 2 * F);
-}
-
-// The reference's layout: q (B, H, Tn, hs) from the rotated columns, q * cos + rotate_half(q) * sin
-// with rotate_half(q) = cat(-q[..., half:], q[..., :half]), then back to (B, Tn, D) beside the
-// columns that pass through.
-Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, std::int64_t head_size, std::int64_t rotated,
-            std::int64_t pos0) {
-  const RopeDims d = check_rope("rope", x, cos, sin, head_size, rotated, pos0);
-  if (d.rotated == 0) return clone(x);
-  const std::int64_t hs = head_size, half = hs / 2, H = d.rotated / hs;
-  Tensor x3 = x.reshape({d.B, d.Tn, d.D});
-  Tensor q = permute(slice(x3, 2, 0, d.rotated).reshape({d.B, d.Tn, H, hs}), {0, 2, 1, 3});
-  Tensor q_half = cat({neg(slice(q, 3, half, hs)), slice(q, 3, 0, half)}, 3);
-  Tensor c = slice(cos, 0, pos0, pos0 + d.Tn), s = slice(sin, 0, pos0, pos0 + d.Tn);  // (Tn, hs)
-  Tensor y = permute(q * c + q_half * s, {0, 2, 1, 3}).reshape({d.B, d.Tn, d.rotated});
-  if (d.rotated < d.D) y = cat({y, slice(x3, 2, d.rotated, d.D)}, 2);
-  return y.reshape(x.shape());
-}
-
-}  // namespace composite
 
 }  // namespace tg

@@ -112,7 +112,7 @@ TEST_CASE("an in-place write to a saved tensor is refused at backward time, nami
   for (std::int64_t i = 0; i < 3; ++i) CHECK(a.grad().at({i}) == b.at({i}));
 }
 
-TEST_CASE("copy_ and an optimizer's step count as in-place writes; views share the count") {
+TEST_CASE("copy_ and an optimizer's step count as in-place writes, and views share the count") {
   Tensor w = param64({2, 2}, 10), x = param64({2, 2}, 11);
   {
     Tensor y = sum(matmul(x, w));
