@@ -32,7 +32,7 @@ thread_local CastCache t_cache;
 }  // namespace
 
 Tensor to_bf16(const Tensor& x) {
-  Tensor h = Tensor::empty(x.shape(), DType::bf16);
+  Tensor h = Tensor::empty(x.shape(), bfloat16);
   const float* src = x.data<float>();
   auto* dst = static_cast<kernels::bf16*>(h.raw_data());
   kernels::parallel_for(x.numel(), x.numel(),
@@ -58,7 +58,7 @@ std::size_t autocast_cache_size() { return t_cache.entries.size(); }
 
 // ---- the products' operands (ops/product.h) ----
 
-bool products_in_bf16(DType d) { return t_autocast && d == DType::f32; }
+bool products_in_bf16(DType d) { return t_autocast && d == float32; }
 Tensor weight_bf16(const Tensor& w) { return autocast_bf16(w); }
 Tensor activation_bf16(const Tensor& x) { return to_bf16(x); }
 

@@ -44,7 +44,7 @@ bool held_only_here(const Node& n, const Tensor& g) {
 // float32, rounded back).
 void add_into(Tensor& dst, const Tensor& src) {
   const std::int64_t count = dst.numel();
-  if (dst.dtype() == DType::bf16) {
+  if (dst.dtype() == bfloat16) {
     kernels::bf16* d = dst.data<kernels::bf16>();
     const kernels::bf16* g = src.data<kernels::bf16>();
     for (std::int64_t i = 0; i < count; ++i) d[i] = kernels::to_bf16(kernels::to_float(d[i]) + kernels::to_float(g[i]));

@@ -10,7 +10,7 @@
 
 namespace tg {
 // Typed access to a bfloat16 tensor's storage: t.data<kernels::bf16>().
-template <> struct dtype_of<kernels::bf16> { static constexpr DType value = DType::bf16; };
+template <> struct dtype_of<kernels::bf16> { static constexpr DType value = bfloat16; };
 }  // namespace tg
 
 namespace tg::detail {
@@ -27,10 +27,10 @@ namespace tg::detail {
 template <class F>
 decltype(auto) dispatch_float(const char* op, DType d, F&& f) {
   switch (d) {
-    case DType::f32: return f(float{});
-    case DType::f64: return f(double{});
-    case DType::bf16: fail_storage_only(op, d);
-    case DType::i32: break;
+    case float32: return f(float{});
+    case float64: return f(double{});
+    case bfloat16: fail_storage_only(op, d);
+    case int32: break;
   }
   fail(op, "expected a float32 or float64 tensor, got ", d);
 }
@@ -40,10 +40,10 @@ decltype(auto) dispatch_float(const char* op, DType d, F&& f) {
 template <class F>
 decltype(auto) dispatch_all(DType d, F&& f) {
   switch (d) {
-    case DType::f32: return f(float{});
-    case DType::f64: return f(double{});
-    case DType::i32: return f(std::int32_t{});
-    case DType::bf16: return f(kernels::bf16{});
+    case float32: return f(float{});
+    case float64: return f(double{});
+    case int32: return f(std::int32_t{});
+    case bfloat16: return f(kernels::bf16{});
   }
   fail("dispatch", "unknown dtype ", static_cast<int>(d));
 }

@@ -77,20 +77,20 @@ const char* ggml_type_name(std::uint32_t t) {
 
 bool ggml_to_dtype(std::uint32_t t, DType* out) {
   switch (t) {
-    case kGgmlF32: *out = DType::f32; return true;
-    case kGgmlBF16: *out = DType::bf16; return true;
-    case kGgmlF64: *out = DType::f64; return true;
-    case kGgmlI32: *out = DType::i32; return true;
+    case kGgmlF32: *out = float32; return true;
+    case kGgmlBF16: *out = bfloat16; return true;
+    case kGgmlF64: *out = float64; return true;
+    case kGgmlI32: *out = int32; return true;
   }
   return false;
 }
 
 std::uint32_t dtype_to_ggml(DType d) {
   switch (d) {
-    case DType::f32: return kGgmlF32;
-    case DType::bf16: return kGgmlBF16;
-    case DType::f64: return kGgmlF64;
-    case DType::i32: return kGgmlI32;
+    case float32: return kGgmlF32;
+    case bfloat16: return kGgmlBF16;
+    case float64: return kGgmlF64;
+    case int32: return kGgmlI32;
   }
   return kGgmlF32;
 }
@@ -490,7 +490,7 @@ GGUFMetadata read_metadata(Cursor& c, std::uint64_t n_kv) {
 
 struct Info {
   std::string name;
-  DType dtype = DType::f32;
+  DType dtype = float32;
   Shape shape;
   std::uint64_t offset = 0, nbytes = 0;
 };

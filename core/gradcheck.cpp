@@ -24,7 +24,7 @@ namespace {
 void check_args(const std::vector<Tensor>& inputs, const GradcheckOptions& opt) {
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined()) fail("gradcheck", "input ", i, " is undefined");
-    if (inputs[i].requires_grad() && inputs[i].dtype() != DType::f64)
+    if (inputs[i].requires_grad() && inputs[i].dtype() != float64)
       fail("gradcheck", "input ", i, " ", inputs[i].shape(), " is ", inputs[i].dtype(), "; finite differences need float64");
   }
   if (!(opt.eps > 0)) fail("gradcheck", "eps must be positive, got ", opt.eps);
@@ -64,9 +64,9 @@ GradcheckReport gradcheck(const std::function<Tensor(const std::vector<Tensor>&)
   {
     NoGradGuard ng;
     Tensor y = f(inputs);
-    if (!y.defined() || y.dtype() != DType::f64) fail("gradcheck", "f must return a float64 tensor");
+    if (!y.defined() || y.dtype() != float64) fail("gradcheck", "f must return a float64 tensor");
     Generator g(opt.seed + 0x5eed);
-    R = randn(y.shape(), DType::f64, &g);
+    R = randn(y.shape(), float64, &g);
   }
   auto L = [&](const std::vector<Tensor>& xs) { return sum(mul(f(xs), R)); };
   // Analytic: one backward pass. Clear any gradient the caller left behind, and restore it after.

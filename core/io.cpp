@@ -72,10 +72,10 @@ std::string errno_text(int err) { return std::error_code(err, std::generic_categ
 
 const char* st_dtype_name(DType d) {
   switch (d) {
-    case DType::f32: return "F32";
-    case DType::f64: return "F64";
-    case DType::i32: return "I32";
-    case DType::bf16: return "BF16";
+    case float32: return "F32";
+    case float64: return "F64";
+    case int32: return "I32";
+    case bfloat16: return "BF16";
   }
   return "?";
 }
@@ -84,10 +84,10 @@ const char* st_dtype_name(DType d) {
 // enum (... BF16 < I32 < F32 < F64).
 int layout_rank(DType d) {
   switch (d) {
-    case DType::f64: return 0;
-    case DType::f32: return 1;
-    case DType::i32: return 2;
-    case DType::bf16: return 3;
+    case float64: return 0;
+    case float32: return 1;
+    case int32: return 2;
+    case bfloat16: return 3;
   }
   return 4;
 }
@@ -230,7 +230,7 @@ void sync_parent_dir(const std::string& path) {
 
 struct Entry {
   std::string name;
-  DType dtype = DType::f32;
+  DType dtype = float32;
   Shape shape;
   std::uint64_t begin = 0, end = 0;
 };
@@ -262,10 +262,10 @@ bool as_u64(const nlohmann::json& v, std::uint64_t* out) {
 }
 
 bool parse_dtype(const std::string& s, DType* out) {
-  if (s == "F32") *out = DType::f32;
-  else if (s == "F64") *out = DType::f64;
-  else if (s == "I32") *out = DType::i32;
-  else if (s == "BF16") *out = DType::bf16;
+  if (s == "F32") *out = float32;
+  else if (s == "F64") *out = float64;
+  else if (s == "I32") *out = int32;
+  else if (s == "BF16") *out = bfloat16;
   else return false;
   return true;
 }

@@ -73,7 +73,7 @@ std::ostream& operator<<(std::ostream& os, const Tensor& t) {
   if (!t.defined()) return os << "tensor(undefined)";
   const std::vector<double> v = t.to_vector<double>();
   Formatter f;
-  f.is_int_dtype = t.dtype() == DType::i32;
+  f.is_int_dtype = t.dtype() == int32;
   double mx = 0, mn = INFINITY;
   f.integer = true;
   for (double x : v) {

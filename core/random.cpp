@@ -112,7 +112,7 @@ Tensor rand(const Shape& shape, DType dtype, Generator* gen) {
 Tensor randint(std::int64_t low, std::int64_t high, const Shape& shape, Generator* gen) {
   if (high <= low) fail("randint", "empty range [", low, ", ", high, ")");
   if (low < INT32_MIN || high - 1 > INT32_MAX) fail("randint", "range [", low, ", ", high, ") does not fit int32");
-  Tensor t = Tensor::empty(shape, DType::i32);
+  Tensor t = Tensor::empty(shape, int32);
   Generator& g = pick(gen);
   const std::uint64_t base = g.advance(static_cast<std::uint64_t>(t.numel()));
   const auto span = static_cast<std::uint64_t>(high - low);

@@ -16,7 +16,7 @@ using detail::check_mpi;
 // A flat buffer holding the gradients of some parameters of one dtype, back to back, reduced
 // with one MPI_Iallreduce (several for more than 2^31 - 1 elements).
 struct DistributedDataParallel::Bucket {
-  DType dtype = DType::f32;
+  DType dtype = float32;
   Tensor flat;                      // (numel,): the rank's gradients, then their sum over the ranks
   std::vector<std::size_t> slots;   // indices into slots_
   std::size_t pending = 0;          // slots whose gradient has not arrived in this backward
@@ -213,7 +213,7 @@ void DistributedDataParallel::write_averages() {
   for (const Slot& s : slots_) {
     Tensor& g = s.param.meta()->grad_accumulator();
     const Bucket& b = *buckets_[s.bucket];
-    if (b.dtype == DType::f32) {
+    if (b.dtype == float32) {
       const float* src = b.flat.data<float>() + s.offset;
       float* dst = g.data<float>();
       for (std::int64_t i = 0; i < g.numel(); ++i) dst[i] = src[i] / static_cast<float>(n);

@@ -22,8 +22,8 @@ void check_mpi(int rc, const char* fn, const char* call) {
 }
 
 MPI_Datatype float_type(const char* fn, DType d) {
-  if (d == DType::f32) return MPI_FLOAT;
-  if (d == DType::f64) return MPI_DOUBLE;
+  if (d == float32) return MPI_FLOAT;
+  if (d == float64) return MPI_DOUBLE;
   fail(fn, "needs a float32 or float64 tensor, got ", d);
 }
 
@@ -112,7 +112,7 @@ void all_reduce(Tensor& t, ReduceOp op) {
               "all_reduce", "MPI_Allreduce");
   }
   if (op == ReduceOp::mean) {
-    if (t.dtype() == DType::f32) {  // a division, correctly rounded (x * (1/3) is not always x / 3)
+    if (t.dtype() == float32) {  // a division, correctly rounded (x * (1/3) is not always x / 3)
       float* d = t.data<float>();
       for (std::int64_t i = 0; i < t.numel(); ++i) d[i] /= static_cast<float>(n);
     } else {

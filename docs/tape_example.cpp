@@ -21,7 +21,7 @@ int main(int argc, char** argv) {
   tg::Tensor b = tg::zeros({4}).requires_grad_().set_name("b");
   tg::Tensor g = tg::ones({4}).requires_grad_().set_name("g");
   tg::Tensor x = tg::randn({5, 3});
-  tg::Tensor t = tg::tensor({0, 3, 1, 1, 2}, {5}, tg::DType::i32);
+  tg::Tensor t = tg::tensor({0, 3, 1, 1, 2}, {5}, tg::int32);
 
   tg::Tensor a = tg::matmul(x, W) + b;                          // nodes 0 (matmul) and 1 (add)
   tg::Tensor logits = tg::rms_norm(a, g, tg::Tensor(), 1e-5);   // node 2 (rms_norm, no bias)

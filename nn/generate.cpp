@@ -79,7 +79,7 @@ std::int32_t pick_token(std::vector<double> z, double temperature, std::int64_t 
 
 // The last position's logits of (1, T, V) logits, as doubles.
 std::vector<double> last_logits(const Tensor& logits) {
-  const Tensor l = logits.to(DType::f64);
+  const Tensor l = logits.to(float64);
   const std::int64_t T = l.size(1), V = l.size(2);
   const double* last = l.data<double>() + (T - 1) * V;
   return std::vector<double>(last, last + V);
@@ -103,7 +103,7 @@ Tensor Block::forward_cached(const Tensor& x, Tensor& k_cache, Tensor& v_cache, 
     }
     cached_attention(p, 3 * C, K, V, y.data<T>(), Tn, len, C, H);
   };
-  if (x.dtype() == DType::f64) run(double{});
+  if (x.dtype() == float64) run(double{});
   else run(float{});
   Tensor h = x + proj->forward(y);
   return h + mlp(ln2->forward(h));
@@ -141,7 +141,7 @@ Tensor GPT::forward_cached(const std::vector<std::int32_t>& ids, KVCache& cache)
   Tensor x = wte->forward(from_vector(ids, {1, Tn}));
   if (wpe) {
     if (pos0 + Tn > cfg_.block_size) fail("generate", "position ", pos0 + Tn - 1, " is past the learned positions");
-    x = x + wpe->forward(arange(static_cast<double>(pos0), static_cast<double>(pos0 + Tn), 1.0, DType::i32));
+    x = x + wpe->forward(arange(static_cast<double>(pos0), static_cast<double>(pos0 + Tn), 1.0, int32));
   } else if (pos0 + Tn > rope_cos_.size(0)) {  // llama past its tables: longer ones, the same first rows
     std::tie(rope_cos_, rope_sin_) = rope_tables(2 * (pos0 + Tn), cfg_.head_size(), 10000.0, wte->weight.dtype());
     for (auto& b : *blocks) b->set_rope_tables(rope_cos_, rope_sin_);

@@ -70,7 +70,7 @@ GGUFMetadata model_metadata(const GPTConfig& c, const GGUFExportOptions& o) {
   GGUFMetadata md;
   md.set("general.architecture", GGUFValue::of_string("llama"));
   md.set("general.name", GGUFValue::of_string(o.name));
-  set_u32(md, "general.file_type", o.dtype == DType::bf16 ? kFileTypeBF16 : kFileTypeF32);
+  set_u32(md, "general.file_type", o.dtype == bfloat16 ? kFileTypeBF16 : kFileTypeF32);
   set_u32(md, "general.alignment", static_cast<std::int64_t>(kGGUFDefaultAlignment));
   set_u32(md, "llama.vocab_size", c.vocab_size);
   set_u32(md, "llama.context_length", c.block_size);
@@ -112,7 +112,7 @@ StateDict model_tensors(const GPT& model, DType dtype) {
   const std::int64_t C = c.n_embd, F = c.ffn_hidden(), hs = c.head_size();
   StateDict out;
   auto mat = [&](const std::string& name, const Tensor& t) { out.insert(name, t.to(dtype)); };
-  auto vec = [&](const std::string& name, const Tensor& t) { out.insert(name, t.to(DType::f32)); };
+  auto vec = [&](const std::string& name, const Tensor& t) { out.insert(name, t.to(float32)); };
   mat("token_embd.weight", sd.at("wte.weight"));
   vec("output_norm.weight", sd.at("ln_f.weight"));
   mat("output.weight", sd.at("head.weight"));
@@ -154,7 +154,7 @@ std::string gguf_unsupported_reason(const GPTConfig& cfg) {
 GGUFFile to_gguf(const GPT& model, const std::vector<std::string>& vocab, const GGUFExportOptions& options) {
   const GPTConfig& c = model.config();
   if (const std::string why = gguf_unsupported_reason(c); !why.empty()) fail("to_gguf", why);
-  if (options.dtype != DType::f32 && options.dtype != DType::bf16)
+  if (options.dtype != float32 && options.dtype != bfloat16)
     fail("to_gguf", "dtype must be float32 or bfloat16, got ", options.dtype);
   if (static_cast<std::int64_t>(vocab.size()) != c.vocab_size)
     fail("to_gguf", "the vocabulary has ", vocab.size(), " tokens but the model ", c.vocab_size);
@@ -234,7 +234,7 @@ Tensor take(const StateDict& t, const std::string& name, const Shape& shape, con
   const Tensor* p = t.find(name);
   if (!p) fail(what.c_str(), "no tensor '", name, "'");
   if (!(p->shape() == shape)) fail(what.c_str(), "tensor '", name, "' is ", p->shape(), ", the model needs ", shape);
-  return p->to(DType::f32);
+  return p->to(float32);
 }
 
 StateDict read_tensors(const StateDict& t, const GPTConfig& c, const std::string& what) {

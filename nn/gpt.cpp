@@ -169,13 +169,13 @@ Tensor GPT::logits(const Tensor& x) {
 }
 
 Tensor GPT::forward(const Tensor& ids) {
-  if (!ids.defined() || ids.dim() != 2 || ids.dtype() != DType::i32)
+  if (!ids.defined() || ids.dim() != 2 || ids.dtype() != int32)
     fail("GPT", "expects int32 token ids (B, T), got ", ids.defined() ? ids.shape().str() : "undefined",
          ids.defined() ? std::string(" ") + dtype_name(ids.dtype()) : "");
   const std::int64_t T = ids.size(1);
   if (T > cfg_.block_size) fail("GPT", "sequence length ", T, " exceeds block_size ", cfg_.block_size);
   Tensor x = wte->forward(ids);
-  if (wpe) x = x + wpe->forward(arange(0.0, static_cast<double>(T), 1.0, DType::i32));  // (B, T, C) + (T, C)
+  if (wpe) x = x + wpe->forward(arange(0.0, static_cast<double>(T), 1.0, int32));  // (B, T, C) + (T, C)
   x = drop->forward(x);
   for (auto& b : *blocks) x = b->forward(x);
   return logits(x);

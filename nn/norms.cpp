@@ -67,7 +67,7 @@ BatchNorm1d::BatchNorm1d(std::int64_t n_, double eps_, double momentum_, bool af
   if (track) {
     running_mean = register_buffer("running_mean", zeros({n}, dtype));
     running_var = register_buffer("running_var", ones({n}, dtype));
-    num_batches_tracked = register_buffer("num_batches_tracked", zeros({}, DType::i32));
+    num_batches_tracked = register_buffer("num_batches_tracked", zeros({}, int32));
   }
 }
 Tensor BatchNorm1d::forward(const Tensor& x) {

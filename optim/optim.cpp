@@ -17,8 +17,8 @@ namespace {
 // Runs f with T = float or double for the parameter's dtype.
 template <class F>
 void dispatch(const char* op, DType d, F&& f) {
-  if (d == DType::f32) f(float{});
-  else if (d == DType::f64) f(double{});
+  if (d == float32) f(float{});
+  else if (d == float64) f(double{});
   else fail(op, "parameters must be float32 or float64, got ", d);
 }
 
@@ -93,7 +93,7 @@ Tensor& Optimizer::state(std::size_t i, const std::string& key, const Tensor& li
 double& Optimizer::scalar_state(std::size_t i, const std::string& key) {
   for (auto& [k, t] : state_[i])
     if (k == key) return t.data<double>()[0];
-  state_[i].emplace_back(key, zeros({}, DType::f64));
+  state_[i].emplace_back(key, zeros({}, float64));
   return state_[i].back().second.data<double>()[0];
 }
 
@@ -113,8 +113,8 @@ void Optimizer::for_each_param_with_grad(F&& f) {
 StateDict Optimizer::state_dict() const {
   StateDict sd;
   for (std::size_t g = 0; g < groups_.size(); ++g) {
-    sd.insert("group." + std::to_string(g) + ".lr", full({}, groups_[g].lr, DType::f64));
-    sd.insert("group." + std::to_string(g) + ".weight_decay", full({}, groups_[g].weight_decay, DType::f64));
+    sd.insert("group." + std::to_string(g) + ".lr", full({}, groups_[g].lr, float64));
+    sd.insert("group." + std::to_string(g) + ".weight_decay", full({}, groups_[g].weight_decay, float64));
   }
   for (std::size_t i = 0; i < state_.size(); ++i)
     for (const auto& [k, t] : state_[i]) sd.insert("state." + std::to_string(i) + "." + k, t.clone());
@@ -128,7 +128,7 @@ namespace {
 // belongs, a buffer of another shape or dtype.
 std::string state_entry_error(const std::string& key, const std::string& rest, const Tensor& t, const Tensor& p,
                               std::size_t n, const std::vector<StateKey>* keys, const std::string& name) {
-  bool scalar = t.dim() == 0 && t.dtype() == DType::f64;
+  bool scalar = t.dim() == 0 && t.dtype() == float64;
   const bool buffer = t.shape() == p.shape() && t.dtype() == p.dtype();
   if (keys) {
     const StateKey* k = nullptr;
@@ -170,7 +170,7 @@ void Optimizer::load_state_dict(const StateDict& sd) {
     const unsigned long n = std::strtoul(idx.c_str(), &end, 10);
     const bool num_ok = !idx.empty() && end && *end == '\0';
     if (kind == "group" && num_ok && n < groups_.size() && (rest == "lr" || rest == "weight_decay")) {
-      if (t.numel() != 1 || t.dtype() != DType::f64) { errors.push_back(key + ": expected a float64 scalar"); continue; }
+      if (t.numel() != 1 || t.dtype() != float64) { errors.push_back(key + ": expected a float64 scalar"); continue; }
       (rest == "lr" ? lrs : wds)[n] = t.item();
     } else if (kind == "state" && num_ok && n < state_.size() && !rest.empty()) {
       const std::string why = state_entry_error(key, rest, t, *params[n], n, known ? &keys : nullptr, name_);

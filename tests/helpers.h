@@ -51,14 +51,14 @@ inline double max_abs_diff(const tg::Tensor& a, const tg::Tensor& b) {
   return m;
 }
 
-inline constexpr tg::DType kFloatTypes[] = {tg::DType::f32, tg::DType::f64};
+inline constexpr tg::DType kFloatTypes[] = {tg::float32, tg::float64};
 
 // Every element of y within atol + rtol |expected| (float32 tolerances given, float64 1e-12);
 // NaN and inf must match exactly. The first mismatches are printed on failure.
 inline void check_close(const tg::Tensor& y, const std::vector<double>& expected, double rtol32 = 1e-5,
                         double atol32 = 1e-6) {
   REQUIRE(y.numel() == static_cast<std::int64_t>(expected.size()));
-  const bool f32 = y.dtype() == tg::DType::f32;
+  const bool f32 = y.dtype() == tg::float32;
   const double rtol = f32 ? rtol32 : 1e-12, atol = f32 ? atol32 : 1e-12;
   const std::vector<double> v = y.to_vector<double>();
   std::size_t bad = 0;

@@ -58,7 +58,7 @@ Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& run
   const bool batch_stats = training || !running_mean.defined();
   if (batch_stats && R <= 1) fail(op, "expected more than 1 value per channel when training, got input ", x.shape());
   Tensor y = Tensor::empty(x.shape(), x.dtype());
-  Tensor mean = Tensor::empty(Shape{C}, DType::f64), rstd = Tensor::empty(Shape{C}, x.dtype());  // per channel
+  Tensor mean = Tensor::empty(Shape{C}, float64), rstd = Tensor::empty(Shape{C}, x.dtype());  // per channel
   dispatch_float(op, x.dtype(), [&](auto z) {
     batch_norm_forward<decltype(z)>(x, running_mean, running_var, weight, bias, training, momentum, eps, y, mean, rstd, R,
                                     C);

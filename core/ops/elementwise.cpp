@@ -117,7 +117,7 @@ BinaryLayout binary_layout(const Shape& out, const Shape& a, const Shape& b) {
 }
 
 // da and db, each written whole into a fresh buffer. With same-shaped operands db is asked for
-// first, so that it is the one that may be dy's buffer (the node declares may_overwrite_grad_out;
+// first, so that it is the one that may be dy's buffer (the node declares may_reuse_grad_out;
 // the kernel writes da before db).
 template <class Op, class S>
 void binary_node_backward(Node& n, const S& s, const BinaryLayout& l) {
@@ -161,13 +161,13 @@ Tensor binary(const char* name, const Tensor& a, const Tensor& b) {
   if (should_record({&a, &b})) {
     Node& node = record_saving<Op::kNeedA, Op::kNeedB>(
         name, {&a, &b}, &y, [l](Node& n, const auto& s) { binary_node_backward<Op>(n, s, l); }, a, b);
-    if (l.kind == Kind::same) node.may_overwrite_grad_out();
+    if (l.kind == Kind::same) node.may_reuse_grad_out();
   }
   return y;
 }
 
 // The backward of a recorded unary op: writes dx = dy * op.df(x, y), x and y read from what the
-// node saved (s.a = x, s.b = y; null when not saved). The node declares may_overwrite_grad_out:
+// node saved (s.a = x, s.b = y; null when not saved). The node declares may_reuse_grad_out:
 // dx may be dy's own buffer.
 template <class Op, class S>
 void unary_node_backward(Node& n, const S& s, Op op) {
@@ -200,7 +200,7 @@ Tensor unary_saving_deriv(const char* name, const Tensor& x, Op op) {
   });
   using Saved = SavedAB<true, false>;  // a = f'(x)
   record(name, {&x}, {&y}, Saved{d}, [](Node& n, const Saved& s) { unary_node_backward(n, s, SavedDerivOp{}); })
-      .may_overwrite_grad_out();
+      .may_reuse_grad_out();
   return y;
 }
 
@@ -238,7 +238,7 @@ Tensor unary_recomputing_deriv(const char* name, const Tensor& x, Op op) {
   });
   record_saving<true, false>(name, {&x}, &y, [op](Node& n, const auto& s) { unary_node_backward(n, s, DerivOf<Op>{op}); },
                              x, y)
-      .may_overwrite_grad_out();
+      .may_reuse_grad_out();
   return y;
 }
 
@@ -257,7 +257,7 @@ Tensor unary(const char* name, const Tensor& x, Op op) {
     if (should_record({&x}))
       record_saving<Op::kX, Op::kY>(
           name, {&x}, &y, [op](Node& n, const auto& s) { unary_node_backward(n, s, op); }, x, y)
-          .may_overwrite_grad_out();
+          .may_reuse_grad_out();
   }
   return y;
 }

@@ -89,7 +89,7 @@ Tensor silu(const Tensor& x) {
         silu_backward(s.x.data<T>(), dy.data<T>(), dx.data<T>(), N);
       });
       n.pass_grad(0, std::move(dx));
-    }).may_overwrite_grad_out();  // silu_backward writes dx[i] after reading dy[i]
+    }).may_reuse_grad_out();  // silu_backward writes dx[i] after reading dy[i]
   }
   return y;
 }

@@ -62,7 +62,7 @@ Tensor expand_mask(const char* op, const Tensor& mask, const Shape& shape) {
     if (k >= 0) acc *= mask.shape()[k];
   }
   std::vector<std::int64_t> sh(shape.begin(), shape.end());
-  Tensor m = Tensor::empty(shape, DType::i32);
+  Tensor m = Tensor::empty(shape, int32);
   permute_copy<std::int32_t>(mask.data<std::int32_t>(), m.data<std::int32_t>(), shape.ndim(), sh.data(), st);
   return m;
 }
@@ -75,7 +75,7 @@ Tensor log_softmax(const Tensor& x, int axis) { return softmax_impl<true>("log_s
 Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
   detail::check_float("masked_fill", x);
   detail::check_defined("masked_fill", mask, "mask");
-  if (mask.dtype() != DType::i32) fail("masked_fill", "mask must be int32, got ", mask.dtype(), " ", mask.shape());
+  if (mask.dtype() != int32) fail("masked_fill", "mask must be int32, got ", mask.dtype(), " ", mask.shape());
   const Tensor m = expand_mask("masked_fill", mask, x.shape());
   Tensor y = Tensor::empty(x.shape(), x.dtype());
   const std::int32_t* mp = m.data<std::int32_t>();
@@ -104,14 +104,14 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, double value) {
         });
       });
       nd.pass_grad(0, std::move(dx));
-    }).may_overwrite_grad_out();  // dx[i] is written after dy[i] is read
+    }).may_reuse_grad_out();  // dx[i] is written after dy[i] is read
   }
   return y;
 }
 
 Tensor causal_mask(std::int64_t T) {
   if (T < 0) fail("causal_mask", "size must be >= 0, got ", T);
-  Tensor m = Tensor::empty(Shape{T, T}, DType::i32);
+  Tensor m = Tensor::empty(Shape{T, T}, int32);
   std::int32_t* p = m.data<std::int32_t>();
   for (std::int64_t i = 0; i < T; ++i)
     for (std::int64_t j = 0; j < T; ++j) p[i * T + j] = j > i;
@@ -122,7 +122,7 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
   detail::check_float("embedding", weight);
   detail::check_defined("embedding", ids, "ids");
   if (weight.dim() != 2) fail("embedding", "weight must be 2-D (V, C), got ", weight.shape());
-  if (ids.dtype() != DType::i32) fail("embedding", "ids must be int32, got ", ids.dtype(), " ", ids.shape());
+  if (ids.dtype() != int32) fail("embedding", "ids must be int32, got ", ids.dtype(), " ", ids.shape());
   if (ids.dim() >= Shape::kMaxDims) fail("embedding", "ids have too many dims: ", ids.shape());
   const std::int64_t V = weight.size(0), C = weight.size(1), rows = ids.numel();
   const std::int32_t* ip = ids.data<std::int32_t>();
@@ -153,7 +153,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, std::int64_t i
   const char* op = "cross_entropy";
   detail::check_float(op, logits);
   detail::check_defined(op, targets, "targets");
-  if (targets.dtype() != DType::i32) fail(op, "targets must be int32, got ", targets.dtype(), " ", targets.shape());
+  if (targets.dtype() != int32) fail(op, "targets must be int32, got ", targets.dtype(), " ", targets.shape());
   if (logits.dim() < 1) fail(op, "logits need at least 1 dim, got a 0-d tensor");
   Shape tshape;
   for (int d = 0; d + 1 < logits.dim(); ++d) tshape.push_back(logits.size(d));
@@ -229,7 +229,7 @@ Tensor dropout(const Tensor& x, double p, bool train) {
         });
       });
       nd.pass_grad(0, std::move(dx));
-    }).may_overwrite_grad_out();  // dx[i] is written after dy[i] is read
+    }).may_reuse_grad_out();  // dx[i] is written after dy[i] is read
   }
   return y;
 }

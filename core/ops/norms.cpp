@@ -80,7 +80,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
   const char* op = "layer_norm";
   const std::int64_t C = check_row_norm(op, x, weight, bias, eps), rows = x.numel() / C;
   Tensor y = Tensor::empty(x.shape(), x.dtype());
-  Tensor mean = Tensor::empty(Shape{rows}, DType::f64), rstd = Tensor::empty(Shape{rows}, x.dtype());
+  Tensor mean = Tensor::empty(Shape{rows}, float64), rstd = Tensor::empty(Shape{rows}, x.dtype());
   dispatch_float(op, x.dtype(), [&](auto z) {
     using T = decltype(z);
     fast::layer_norm_forward(x.data<T>(), opt_ptr<T>(weight), opt_ptr<T>(bias), y.data<T>(), mean.data<double>(),

@@ -40,7 +40,7 @@ Operand<T> operand(const T* p, std::int64_t ld) {
 // A tensor's data as an operand: its bf16 bits when it is a bfloat16 copy, else as T.
 template <class T>
 Operand<T> operand(const Tensor& t, std::int64_t ld) {
-  if (t.dtype() == DType::bf16) return {nullptr, static_cast<const kernels::bf16*>(t.raw_data()), ld};
+  if (t.dtype() == bfloat16) return {nullptr, static_cast<const kernels::bf16*>(t.raw_data()), ld};
   return {t.data<T>(), nullptr, ld};
 }
 

@@ -44,7 +44,7 @@ namespace {
 // A bfloat16 tensor's gradient is bfloat16, and only the ops without arithmetic in their backward
 // (to, reshape, clone) carry one; the others refuse to record rather than fail in backward().
 void refuse_bf16_grad(const char* op, const Tensor& x) {
-  if (x.dtype() == DType::bf16 && x.requires_grad() && grad_enabled())
+  if (x.dtype() == bfloat16 && x.requires_grad() && grad_enabled())
     fail(op, "cannot differentiate through a bfloat16 tensor ", x.shape(),
          " (only to, reshape and clone can); convert it with to(float32) first");
 }
@@ -281,9 +281,9 @@ void check_fits_int32(const Tensor& x) {
 // (kernels/bf16.h); the other pairs with bfloat16 go through double (detail::from_double).
 void convert(const Tensor& x, Tensor& y) {
   const std::int64_t n = x.numel();
-  if (x.dtype() == DType::f32 && y.dtype() == DType::bf16)
+  if (x.dtype() == float32 && y.dtype() == bfloat16)
     return kernels::to_bf16(x.data<float>(), y.data<kernels::bf16>(), n);
-  if (x.dtype() == DType::bf16 && y.dtype() == DType::f32)
+  if (x.dtype() == bfloat16 && y.dtype() == float32)
     return kernels::to_float(x.data<kernels::bf16>(), y.data<float>(), n);
   dispatch_all(x.dtype(), [&](auto zs) {
     using S = decltype(zs);
@@ -305,12 +305,12 @@ void convert(const Tensor& x, Tensor& y) {
 Tensor to(const Tensor& x, DType dtype) {
   detail::check_defined("to", x);
   if (dtype == x.dtype()) return x;
-  if (dtype == DType::i32) check_fits_int32(x);
+  if (dtype == int32) check_fits_int32(x);
   Tensor y = Tensor::empty(x.shape(), dtype);
   convert(x, y);
   // Differentiable to every dtype but int32, as in PyTorch: the gradient comes back converted to
   // x's dtype (through bfloat16 it is rounded to bfloat16 on the way, as y's gradient is bfloat16).
-  if (dtype != DType::i32 && should_record({&x}))
+  if (dtype != int32 && should_record({&x}))
     record("to", {&x}, {&y}, [from = x.dtype()](Node& nd) {  // dx = dy converted back to x's dtype
       nd.pass_grad(0, to(nd.grad_out().detach(), from));
     });

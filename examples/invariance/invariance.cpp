@@ -51,7 +51,7 @@ Tensor normalised(Norm norm, const Tensor& W, const Tensor& x, const Setup& s) {
   switch (norm) {
     case Norm::weightnorm: {
       // w_i = g_i v_i / |v_i| with g = 1: only W's row directions matter; no data statistics.
-      return matmul(x, weight_norm(W, ones({W.size(0)}, DType::f64)), false, true);
+      return matmul(x, weight_norm(W, ones({W.size(0)}, float64)), false, true);
     }
     case Norm::batchnorm:  // per output feature, statistics over the N cases of the batch
       return batch_norm(matmul(x, W, false, true), Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, s.eps);
@@ -72,7 +72,7 @@ struct Data {
 
 Data make(const Setup& s) {
   Generator g(s.seed);
-  Data d{randn({s.n, s.m}, DType::f64, &g), randn({s.N, s.m}, DType::f64, &g)};
+  Data d{randn({s.n, s.m}, float64, &g), randn({s.N, s.m}, float64, &g)};
   // shift the data off-centre so that centring matters
   d.x = add(d.x, 0.5);
   return d;
@@ -84,22 +84,22 @@ Data transformed(const Data& d, Transform t, const Setup& s) {
     case Transform::weight_rescale: return {mul(d.W, s.delta), d.x};
     case Transform::weight_recenter: {
       // W + 1 gamma^T: the same vector gamma added to every row, so every a_i shifts by gamma^T x
-      Tensor gamma = randn({1, s.m}, DType::f64, &g);
+      Tensor gamma = randn({1, s.m}, float64, &g);
       return {add(d.W, gamma), d.x};
     }
     case Transform::weight_vector_rescale: {
       // one scale per row: w_i -> delta_i w_i, delta_i in [0.5, 4.5)
-      Tensor deltas = add(mul(rand({s.n, 1}, DType::f64, &g), 4.0), 0.5);
+      Tensor deltas = add(mul(rand({s.n, 1}, float64, &g), 4.0), 0.5);
       return {mul(d.W, deltas), d.x};
     }
     case Transform::data_rescale: return {d.W, mul(d.x, s.delta)};
     case Transform::data_recenter: {
-      Tensor gamma = randn({1, s.m}, DType::f64, &g);
+      Tensor gamma = randn({1, s.m}, float64, &g);
       return {d.W, add(d.x, gamma)};
     }
     default: {
       // one case alone: x_0 -> delta x_0
-      Tensor scale = ones({s.N, 1}, DType::f64);
+      Tensor scale = ones({s.N, 1}, float64);
       scale.set({0, 0}, s.delta);
       return {d.W, mul(d.x, scale)};
     }
@@ -122,9 +122,9 @@ std::vector<Claim> measure_gradients(const Setup& s, bool partial) {
   // L = sum(tanh(y) * R) for a fixed random R: any smooth function of y would do.
   const Data d = make(s);
   Generator g(s.seed + 7);
-  const Tensor R = randn({s.N, s.n}, DType::f64, &g);
-  const Tensor gain = add(rand({s.n}, DType::f64, &g), 0.5);
-  const Tensor bias = randn({s.n}, DType::f64, &g);
+  const Tensor R = randn({s.N, s.n}, float64, &g);
+  const Tensor gain = add(rand({s.n}, float64, &g), 0.5);
+  const Tensor bias = randn({s.n}, float64, &g);
   const double p = partial ? s.p : 1.0;
   struct Grads {
     Tensor dg, db, dW;
@@ -159,7 +159,7 @@ std::vector<Claim> measure_gradients(const Setup& s, bool partial) {
   const Tensor y = rms_norm(a, Tensor(), Tensor(), s.eps, 1.0);
   const Tensor row_norms = sqrt(sum(mul(y, y), {-1}));
   out.push_back(claim("|RMSNorm(a)|_2 = sqrt(n) (gain 1)", std::sqrt(static_cast<double>(s.n)), row_norms,
-                      ones({s.N}, DType::f64)));
+                      ones({s.N}, float64)));
   return out;
 }
 

@@ -53,7 +53,7 @@ std::string export_run_gguf(const std::string& run_dir, const GGUFOptions& o) {
     if (k.rfind("model.", 0) == 0) weights.insert(k.substr(6), t);
   nn::GPT model(r.model);
   model.load_state_dict(weights);
-  const DType dtype = o.dtype == "bf16" ? DType::bf16 : DType::f32;
+  const DType dtype = o.dtype == "bf16" ? bfloat16 : float32;
   const std::vector<std::string> vocab = characters(vocabulary_only(ck.meta["vocab"]));
   nn::save_gguf_model(o.export_file, model, vocab, {dtype, "tapegrad " + run_dir});
   return "wrote " + o.export_file + " (llama.cpp llama arch, " + o.dtype + ", step " + ck.meta["step"] + " of " +

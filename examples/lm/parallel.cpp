@@ -35,10 +35,10 @@ void say(const std::string& program, const std::string& line) {
 
 // Rank root's text, on every rank.
 std::string broadcast_text(const std::string& mine, int root) {
-  tg::Tensor n = tg::tensor({static_cast<double>(mine.size())}, {1}, tg::DType::f64);
+  tg::Tensor n = tg::tensor({static_cast<double>(mine.size())}, {1}, tg::float64);
   dist::broadcast(n, root);
   const auto size = static_cast<std::size_t>(n.item());
-  tg::Tensor bytes = tg::Tensor::empty({static_cast<std::int64_t>(size / 4 + 1)}, tg::DType::i32);
+  tg::Tensor bytes = tg::Tensor::empty({static_cast<std::int64_t>(size / 4 + 1)}, tg::int32);
   if (dist::rank() == root) std::memcpy(bytes.raw_data(), mine.data(), size);
   dist::broadcast(bytes, root);
   return std::string(static_cast<const char*>(bytes.raw_data()), size);
@@ -47,7 +47,7 @@ std::string broadcast_text(const std::string& mine, int root) {
 // The ranks for which `flag` holds, in order, known to every rank.
 std::vector<int> ranks_where(bool flag) {
   const int n = dist::world_size();
-  tg::Tensor f = tg::zeros({n}, tg::DType::f64);
+  tg::Tensor f = tg::zeros({n}, tg::float64);
   f.data<double>()[dist::rank()] = flag ? 1 : 0;
   dist::all_reduce(f);
   std::vector<int> out;
@@ -261,7 +261,7 @@ void DataParallel::finish_gradients() {
 
 int DataParallel::agree_stop(int mine) const {
   if (impl_->size == 1) return mine;
-  tg::Tensor f = tg::zeros({2}, tg::DType::f64);
+  tg::Tensor f = tg::zeros({2}, tg::float64);
   f.data<double>()[0] = mine == SIGINT ? 1 : 0;
   f.data<double>()[1] = mine == SIGTERM ? 1 : 0;
   dist::all_reduce(f);

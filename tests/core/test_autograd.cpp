@@ -248,7 +248,7 @@ TEST_CASE("Node::pass_grad takes a gradient of another shape with x's size, igno
 }
 
 TEST_CASE("Node::new_grad gives dy's own buffer to a node that may overwrite it, and declines when it must not") {
-  // An elementwise y = 2 x recorded with may_overwrite_grad_out(); the backward writes dx = 2 dy.
+  // An elementwise y = 2 x recorded with may_reuse_grad_out(); the backward writes dx = 2 dy.
   // `given` says whether new_grad returned dy's buffer; the gradient is 2 either way.
   struct Probe {
     bool given = false;
@@ -263,7 +263,7 @@ TEST_CASE("Node::new_grad gives dy's own buffer to a node that may overwrite it,
       probe.given = dx.raw_data() == dy.raw_data();
       for (std::int64_t i = 0; i < dx.numel(); ++i) dx.data<double>()[i] = 2 * dy.data<double>()[i];
       n.pass_grad(0, std::move(dx));
-    }).may_overwrite_grad_out();
+    }).may_reuse_grad_out();
     return y;
   };
   const std::vector<double> two{2, 2, 2};
@@ -319,7 +319,7 @@ TEST_CASE("Node::new_grad gives dy's own buffer to a node that may overwrite it,
       got = dx.dtype();
       for (std::int64_t i = 0; i < dx.numel(); ++i) dx.data<float>()[i] = static_cast<float>(dy.data<double>()[i]);
       n.pass_grad(0, std::move(dx));
-    }).may_overwrite_grad_out();
+    }).may_reuse_grad_out();
     sum(y).backward();
     CHECK_FALSE(given);
     CHECK(got == float32);

@@ -49,6 +49,10 @@
 namespace {
 
 using tg::DType;
+using tg::bfloat16;
+using tg::float32;
+using tg::float64;
+using tg::int32;
 using tg::Shape;
 using tg::Tensor;
 using i64 = std::int64_t;
@@ -134,11 +138,11 @@ class Rng {
 // the default rounding mode nearbyint rounds so), with float32's exponent range: its subnormals are
 // multiples of 2^-133, and a value that rounds beyond the largest finite float32 is infinite.
 double as_dtype(double v, DType dt) {
-  if (dt == DType::f64 || std::isnan(v)) return v;
-  if (dt == DType::i32) return v;
+  if (dt == float64 || std::isnan(v)) return v;
+  if (dt == int32) return v;
   if (std::isfinite(v) && std::fabs(v) > FLT_MAX) return v > 0 ? kInf : -kInf;
   const double f = static_cast<double>(static_cast<float>(v));
-  if (dt != DType::bf16 || f == 0 || std::isinf(f)) return f;
+  if (dt != bfloat16 || f == 0 || std::isinf(f)) return f;
   int e = 0;
   (void)std::frexp(f, &e);  // f = m 2^e, 0.5 <= |m| < 1: 8 significant bits are steps of 2^(e-8)
   const double q = std::ldexp(1.0, std::max(e - 8, -133));
@@ -164,15 +168,15 @@ double draw_scalar(Rng& r) {
 Tensor filled(const Shape& s, DType dt, const std::function<double()>& gen) {
   Tensor t = Tensor::empty(s, dt);
   const i64 n = t.numel();
-  if (dt == DType::f32) {
+  if (dt == float32) {
     float* p = t.data<float>();
     for (i64 i = 0; i < n; ++i) p[i] = static_cast<float>(as_dtype(gen(), dt));
-  } else if (dt == DType::f64) {
+  } else if (dt == float64) {
     double* p = t.data<double>();
     for (i64 i = 0; i < n; ++i) p[i] = gen();
-  } else if (dt == DType::bf16) {
+  } else if (dt == bfloat16) {
     auto* p = static_cast<tg::kernels::bf16*>(t.raw_data());
-    for (i64 i = 0; i < n; ++i) p[i] = tg::kernels::to_bf16(static_cast<float>(as_dtype(gen(), DType::f32)));
+    for (i64 i = 0; i < n; ++i) p[i] = tg::kernels::to_bf16(static_cast<float>(as_dtype(gen(), float32)));
   } else {
     std::int32_t* p = t.data<std::int32_t>();
     for (i64 i = 0; i < n; ++i) p[i] = static_cast<std::int32_t>(gen());
@@ -182,7 +186,7 @@ Tensor filled(const Shape& s, DType dt, const std::function<double()>& gen) {
 
 // Random values for a tensor: ints small; floats normal, with specials in about a third of the tensors.
 Tensor random_tensor(Rng& r, const Shape& s, DType dt, bool allow_specials = true) {
-  if (dt == DType::i32)
+  if (dt == int32)
     return filled(s, dt, [&] { return static_cast<double>(r.chance(0.05) ? r.pick({kI32Max, kI32Min}) : r.range(-2, 6)); });
   const bool specials = allow_specials && r.chance(0.35);
   const double scale = r.pick({1.0, 1.0, 3.0});
@@ -198,14 +202,14 @@ Shape rand_shape(Rng& r, int min_nd = 0, int max_nd = 4) {
   return s;
 }
 
-DType float_dtype(Rng& r) { return r.chance(0.5) ? DType::f32 : DType::f64; }
+DType float_dtype(Rng& r) { return r.chance(0.5) ? float32 : float64; }
 // Mostly float; sometimes int32 or bfloat16, which float ops must refuse.
 DType any_dtype(Rng& r, double p_int = 0.07) {
-  return r.chance(p_int) ? r.pick({DType::i32, DType::bf16}) : float_dtype(r);
+  return r.chance(p_int) ? r.pick({int32, bfloat16}) : float_dtype(r);
 }
 DType other_dtype(Rng& r, DType dt) {
-  return dt == DType::f32 ? r.pick({DType::f64, DType::i32})
-         : dt == DType::f64 ? r.pick({DType::f32, DType::i32})
+  return dt == float32 ? r.pick({float64, int32})
+         : dt == float64 ? r.pick({float32, int32})
                             : float_dtype(r);
 }
 
@@ -340,10 +344,10 @@ double fin(double x) { return std::isfinite(x) ? std::fabs(x) : 0.0; }
 
 // Beyond this error scale float32 (float64) arithmetic may overflow an intermediate that the double
 // reference does not, so such elements are not compared.
-double max_scale(DType dt) { return dt == DType::f32 ? 1e37 : 1e300; }
-double rtol_of(DType dt) { return dt == DType::f32 ? 1e-5 : dt == DType::f64 ? 1e-11 : 0.0; }
+double max_scale(DType dt) { return dt == float32 ? 1e37 : 1e300; }
+double rtol_of(DType dt) { return dt == float32 ? 1e-5 : dt == float64 ? 1e-11 : 0.0; }
 // Subnormal-sized slack: float32's exp flushes below e^-87.3, where the true value is < 1.2e-38.
-double atol_of(DType dt) { return dt == DType::f32 ? 1e-37 : dt == DType::f64 ? 1e-300 : 0.0; }
+double atol_of(DType dt) { return dt == float32 ? 1e-37 : dt == float64 ? 1e-300 : 0.0; }
 
 // "" when y agrees with the reference, else the first mismatches.
 std::string compare(const Tensor& y, const Ref& ref, double tol_factor = 1.0) {
@@ -468,7 +472,7 @@ void check_twin_grads(const std::string& op, const std::vector<Tensor>& leaves, 
     const std::vector<double> a = fused[i].to_vector<double>(), b = gc.to_vector<double>();
     double scale = up;
     for (std::size_t k = 0; k < a.size(); ++k) scale = std::max({scale, fin(a[k]), fin(b[k])});
-    const double tol = (gc.dtype() == DType::f32 ? 1e-3 : 1e-8) * scale;
+    const double tol = (gc.dtype() == float32 ? 1e-3 : 1e-8) * scale;
     std::size_t bad = 0;
     std::ostringstream first;
     first.precision(17);
@@ -658,9 +662,9 @@ void fuzz_scalar(Rng& r, std::uint64_t seed) {
   const DType dt = any_dtype(r);
   double s = draw_scalar(r);
   // steer around div_scalar_subnormal: a divisor whose reciprocal overflows the dtype
-  const double lim = dt == DType::f32 ? 4 / FLT_MAX : 4 / DBL_MAX;
+  const double lim = dt == float32 ? 4 / FLT_MAX : 4 / DBL_MAX;
   if (op == 3 && kKnownBugs.div_scalar_subnormal && as_dtype(s, dt) != 0 && std::fabs(as_dtype(s, dt)) < lim)
-    s = dt == DType::f32 ? 1e-30 : 1e-300;
+    s = dt == float32 ? 1e-30 : 1e-300;
   Tensor x = input(r, rand_shape(r), dt);
   const bool use_operator = r.chance(0.5);
   const bool valid = is_float(x) && !std::isnan(s) && !(op == 3 && s == 0);
@@ -1117,13 +1121,13 @@ void fuzz_softmax(Rng& r, std::uint64_t seed) {
 void fuzz_masked_fill(Rng& r, std::uint64_t seed) {
   Tensor x = input(r, rand_shape(r), any_dtype(r));
   const Shape ms = r.chance(0.1) ? rand_shape(r) : broadcast_partner(r, x.shape());
-  const DType mdt = r.chance(0.06) ? float_dtype(r) : DType::i32;
+  const DType mdt = r.chance(0.06) ? float_dtype(r) : int32;
   Tensor mask = r.chance(0.03) ? Tensor() : filled(ms, mdt, [&] { return static_cast<double>(r.pick({0, 0, 0, 1, -1, 7, kI32Min})); });
   const double value = draw_scalar(r);
   const std::string c = Call(seed, "masked_fill").t("x", x).t("mask", mask)("value", value).str();
   INFO(c);
   const Unchanged unchanged({x, mask});
-  bool valid = is_float(x) && mask.defined() && mask.dtype() == DType::i32 && mask.dim() <= x.dim();
+  bool valid = is_float(x) && mask.defined() && mask.dtype() == int32 && mask.dim() <= x.dim();
   for (int d = 0; valid && d < mask.dim(); ++d) {
     const i64 m = mask.shape()[d], n = x.shape()[x.dim() - mask.dim() + d];
     valid = m == n || m == 1;
@@ -1161,7 +1165,7 @@ void fuzz_causal_mask(Rng& r, std::uint64_t seed) {
   ref.exact = true;
   for (i64 i = 0; i < T; ++i)
     for (i64 j = 0; j < T; ++j) ref.add(j > i ? 1.0 : 0.0, 0.0);
-  check_output("causal_mask", *y, DType::i32, Shape{T, T}, &ref);
+  check_output("causal_mask", *y, int32, Shape{T, T}, &ref);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1175,7 +1179,7 @@ void fuzz_embedding(Rng& r, std::uint64_t seed) {
   Shape is = rand_shape(r, 0, 3);
   if (r.chance(0.03)) is = r.chance(0.5) ? Shape{1, 1, 1, 1, 1, 1, 1} : Shape{1, 1, 1, 1, 1, 1, 1, 1};  // 7 or 8 dims
   const bool bad_ids = r.chance(0.12);
-  const DType idt = r.chance(0.05) ? float_dtype(r) : DType::i32;
+  const DType idt = r.chance(0.05) ? float_dtype(r) : int32;
   Tensor ids = r.chance(0.03) ? Tensor() : filled(is, idt, [&] {
     if (bad_ids && r.chance(0.4)) return static_cast<double>(r.pick<i64>({-1, V, V + 3, kI32Max, kI32Min}));
     return static_cast<double>(V > 0 ? r.range(0, V - 1) : 0);
@@ -1183,7 +1187,7 @@ void fuzz_embedding(Rng& r, std::uint64_t seed) {
   const std::string c = Call(seed, "embedding").t("weight", w).t("ids", ids).str();
   INFO(c);
   const Unchanged unchanged({w, ids});
-  bool valid = is_float(w) && w.dim() == 2 && ids.defined() && ids.dtype() == DType::i32 && ids.dim() < 8;
+  bool valid = is_float(w) && w.dim() == 2 && ids.defined() && ids.dtype() == int32 && ids.dim() < 8;
   const std::vector<double> iv = values(ids);
   for (std::size_t i = 0; valid && i < iv.size(); ++i) valid = iv[i] >= 0 && iv[i] < static_cast<double>(V);
   const auto y = attempt("embedding", valid ? Expect::ok : Expect::error, [&] { return tg::embedding(w, ids); });
@@ -1209,7 +1213,7 @@ void fuzz_cross_entropy(Rng& r, std::uint64_t seed) {
   const i64 ignore = r.pick<i64>({-100, -100, -100, -1, 0, 2, i64(1) << 40, kI64Min});
   const bool ignore_fits = ignore >= kI32Min && ignore <= kI32Max;
   const int mode = static_cast<int>(r.range(0, 9));  // 0: out-of-range targets, 1: mostly ignored, else valid
-  const DType tdt = r.chance(0.05) ? float_dtype(r) : DType::i32;
+  const DType tdt = r.chance(0.05) ? float_dtype(r) : int32;
   Tensor targets = r.chance(0.03) ? Tensor() : filled(ts, tdt, [&] {
     if (mode == 0 && r.chance(0.5)) return static_cast<double>(r.pick<i64>({-1, V, kI32Max, kI32Min, -100}));
     if (ignore_fits && (mode == 1 ? r.chance(0.8) : r.chance(0.15))) return static_cast<double>(ignore);
@@ -1218,7 +1222,7 @@ void fuzz_cross_entropy(Rng& r, std::uint64_t seed) {
   const std::string c = Call(seed, "cross_entropy").t("logits", logits).t("targets", targets)("ignore_index", ignore).str();
   INFO(c);
   const Unchanged unchanged({logits, targets});
-  bool valid = is_float(logits) && logits.dim() >= 1 && targets.defined() && targets.dtype() == DType::i32;
+  bool valid = is_float(logits) && logits.dim() >= 1 && targets.defined() && targets.dtype() == int32;
   if (valid) {
     Shape want;
     for (int d = 0; d + 1 < logits.dim(); ++d) want.push_back(logits.shape()[d]);
@@ -1638,10 +1642,10 @@ void fuzz_split(Rng& r, std::uint64_t seed) {
 void fuzz_to_clone(Rng& r, std::uint64_t seed) {
   const bool clone = r.chance(0.3);
   const std::string name = clone ? "clone" : "to";
-  const DType from = any_dtype(r, 0.25), to = r.pick({DType::f32, DType::f64, DType::i32, DType::bf16});
+  const DType from = any_dtype(r, 0.25), to = r.pick({float32, float64, int32, bfloat16});
   Shape s = rand_shape(r);
   Tensor x = input(r, s, from);
-  if (from != DType::i32 && to == DType::i32 && x.defined() && r.chance(0.6)) {
+  if (from != int32 && to == int32 && x.defined() && r.chance(0.6)) {
     // values an int32 can hold (fractions truncate toward zero), sometimes its extremes
     x = filled(s, from, [&] { return r.chance(0.9) ? std::round(r.normal() * 400) / 8 : r.pick({2147483647.0, -2147483648.0, -0.75}); });
     if (tg::is_floating(from) && r.chance(0.5)) x.requires_grad_();
@@ -1654,7 +1658,7 @@ void fuzz_to_clone(Rng& r, std::uint64_t seed) {
   const Unchanged unchanged({x});
   const std::vector<double> xv = values(x);
   bool valid = x.defined();
-  if (valid && !clone && to == DType::i32 && from != DType::i32)
+  if (valid && !clone && to == int32 && from != int32)
     for (double v : xv) valid = valid && v > -2147483649.0 && v < 2147483648.0;  // NaN fails too
   const auto y = attempt(name, valid ? Expect::ok : Expect::error, [&] {
     if (clone) return use_method ? x.clone() : tg::clone(x);
@@ -1664,7 +1668,7 @@ void fuzz_to_clone(Rng& r, std::uint64_t seed) {
   const DType out = clone ? from : to;
   Ref ref;
   ref.exact = true;
-  for (double v : xv) ref.add(out == DType::i32 ? std::trunc(v) : as_dtype(v, out), 0.0);
+  for (double v : xv) ref.add(out == int32 ? std::trunc(v) : as_dtype(v, out), 0.0);
   check_output(name, *y, out, x.shape(), &ref);
   if (clone && x.numel() > 0) CHECK_FALSE(y->shares_storage(x));
   const auto g = run_backward(r, name, *y, {x});
@@ -2004,7 +2008,7 @@ void fuzz_causal_softmax(Rng& r, std::uint64_t seed) {
       std::vector<double> p, lp;
       softmax_row(z, p, lp);
       // steer around causal_softmax_fma: rows whose scores are large enough for the error to show
-      const bool fma_bug = kKnownBugs.causal_softmax_fma && zmax > (x.dtype() == DType::f32 ? 300 : 1e5);
+      const bool fma_bug = kKnownBugs.causal_softmax_fma && zmax > (x.dtype() == float32 ? 300 : 1e5);
       for (i64 j = 0; j < n; ++j) ref.add(j <= i ? p[static_cast<std::size_t>(j)] : 0.0, fma_bug && j <= i ? kInf : 1.0);
     }
   }
@@ -2324,9 +2328,9 @@ void fuzz_threads(Rng& r, std::uint64_t seed) {
   const Tensor x = op == 17 ? leaf({R / 4, 64, 64}) : op == 18 ? leaf({R / 16, 64, 96}) : leaf({R, C});
   const Tensor row = leaf({C}), row2 = leaf({C}), col = leaf({R});
   const Tensor big = op == 1 ? leaf({R, C}) : Tensor(), w2 = op == 19 ? leaf({C, 48}) : Tensor();
-  const Tensor mask = op == 9 ? filled({R, C}, DType::i32, [&] { return static_cast<double>(r.range(0, 1)); }) : Tensor();
-  const Tensor ids = filled({2 * R}, DType::i32, [&] { return static_cast<double>(r.range(0, R - 1)); });
-  const Tensor targets = filled({R}, DType::i32, [&] { return static_cast<double>(r.chance(0.1) ? -100 : r.range(0, C - 1)); });
+  const Tensor mask = op == 9 ? filled({R, C}, int32, [&] { return static_cast<double>(r.range(0, 1)); }) : Tensor();
+  const Tensor ids = filled({2 * R}, int32, [&] { return static_cast<double>(r.range(0, R - 1)); });
+  const Tensor targets = filled({R}, int32, [&] { return static_cast<double>(r.chance(0.1) ? -100 : r.range(0, C - 1)); });
   const int axis = static_cast<int>(r.range(0, 1));
   const double p = r.pick({1.0, 0.5, 0.1});
   INFO(Call(seed, "threads: " + name).t("x", x)("threads", g_pool_threads)("axis", axis)("p", p).str());
@@ -2367,7 +2371,7 @@ void fuzz_threads(Rng& r, std::uint64_t seed) {
   const auto pool = attempt("threads", Expect::ok, [&] { return run(g_pool_threads); });
   tg::set_num_threads(1);
   if (!one || !pool) return;
-  const double tol = dt == DType::f32 ? 1e-5 : 1e-12;
+  const double tol = dt == float32 ? 1e-5 : 1e-12;
   std::string m = compare_runs(one->first, pool->first, tol);
   INFO(name << " output:" << m);
   CHECK(m.empty());

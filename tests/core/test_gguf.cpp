@@ -78,7 +78,7 @@ struct Bytes {
 };
 
 Tensor iota(const Shape& shape, DType dtype, double start = 0.5) {
-  Tensor t = Tensor::empty(shape, DType::f64);
+  Tensor t = Tensor::empty(shape, float64);
   double* p = t.data<double>();
   for (std::int64_t i = 0; i < t.numel(); ++i) p[i] = start + 0.25 * static_cast<double>(i) * (i % 2 ? -1 : 1);
   return t.to(dtype);
@@ -90,11 +90,11 @@ bool bit_equal(const Tensor& a, const Tensor& b) {
 
 StateDict sample_tensors() {
   StateDict sd;
-  sd.insert("token_embd.weight", iota({5, 3}, DType::f32));
-  sd.insert("blk.0.attn_norm.weight", iota({3}, DType::f32, 1.0));
-  sd.insert("bf", iota({2, 3, 2}, DType::bf16));
-  sd.insert("f64", iota({1, 2, 1, 3}, DType::f64));
-  sd.insert("ids", iota({4}, DType::f32, 3).to(DType::i32));
+  sd.insert("token_embd.weight", iota({5, 3}, float32));
+  sd.insert("blk.0.attn_norm.weight", iota({3}, float32, 1.0));
+  sd.insert("bf", iota({2, 3, 2}, bfloat16));
+  sd.insert("f64", iota({1, 2, 1, 3}, float64));
+  sd.insert("ids", iota({4}, float32, 3).to(int32));
   return sd;
 }
 
@@ -181,8 +181,8 @@ TEST_CASE("GGUF values refuse reads of another type, naming the key", "[gguf]") 
 
 TEST_CASE("the bytes follow the GGUF v3 layout: reversed dims, 32-byte alignment, padded tensors", "[gguf]") {
   StateDict sd;
-  sd.insert("a", iota({2, 3}, DType::f32));  // 24 bytes, padded to 32
-  sd.insert("b", iota({1}, DType::bf16));     // at offset 32
+  sd.insert("a", iota({2, 3}, float32));  // 24 bytes, padded to 32
+  sd.insert("b", iota({1}, bfloat16));     // at offset 32
   GGUFMetadata md;
   md.set("general.name", GGUFValue::of_string("x"));
   md.set("n", GGUFValue::of_u32(7));
@@ -219,7 +219,7 @@ TEST_CASE("save_gguf writes atomically and leaves nothing behind when it refuses
   CHECK(read_bytes(path) == to_gguf_bytes(sample_tensors(), sample_metadata()));
   CHECK(bit_equal(load_gguf(path).tensors.at("bf"), sample_tensors().at("bf")));
   StateDict bad = sample_tensors();
-  bad.insert(std::string(64, 'n'), iota({1}, DType::f32));
+  bad.insert(std::string(64, 'n'), iota({1}, float32));
   REQUIRE_TG_ERROR(save_gguf(path, bad, {}), "save_gguf: ", "64 bytes", "1 to 63");
   CHECK(read_bytes(path) == to_gguf_bytes(sample_tensors(), sample_metadata()));  // untouched
   std::size_t files = 0;
@@ -232,10 +232,10 @@ TEST_CASE("save_gguf writes atomically and leaves nothing behind when it refuses
 
 TEST_CASE("the writer refuses what ggml cannot read", "[gguf]") {
   StateDict scalar;
-  scalar.insert("s", Tensor::empty(Shape{}, DType::f32));
+  scalar.insert("s", Tensor::empty(Shape{}, float32));
   REQUIRE_TG_ERROR(to_gguf_bytes(scalar, {}), "tensor 's' has 0 dims", "1 to 4");
   StateDict five;
-  five.insert("f", Tensor::empty({1, 1, 1, 1, 2}, DType::f32));
+  five.insert("f", Tensor::empty({1, 1, 1, 1, 2}, float32));
   REQUIRE_TG_ERROR(to_gguf_bytes(five, {}), "5 dims");
   GGUFMetadata md;
   md.set("general.alignment", GGUFValue::of_u32(48));

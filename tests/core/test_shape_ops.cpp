@@ -9,7 +9,7 @@ using namespace tgtest;
 
 namespace {
 
-constexpr DType kAllTypes[] = {DType::f32, DType::f64, DType::i32};
+constexpr DType kAllTypes[] = {float32, float64, int32};
 
 // Exact comparison: shape ops only move values.
 void check_values(const Tensor& y, const std::vector<double>& expected) {

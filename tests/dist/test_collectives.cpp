@@ -14,7 +14,7 @@ using namespace tgtest;
 
 TEST_CASE("all_reduce sums and averages float32 and float64 in place, the same bits on every rank") {
   const int n = dist::world_size(), r = dist::rank();
-  for (DType dt : {DType::f32, DType::f64}) {
+  for (DType dt : {float32, float64}) {
     // Element i on rank r: r + i / 4 (exact in both dtypes): the sum is n (n - 1) / 2 + n i / 4.
     Tensor t = Tensor::empty({5, 3}, dt);
     for (std::int64_t i = 0; i < t.numel(); ++i) t.set({i / 3, i % 3}, r + i / 4.0);
@@ -49,8 +49,8 @@ TEST_CASE("broadcast copies the root's data to every rank, for every root and dt
   const int n = dist::world_size();
   for (int root = 0; root < n; ++root) {
     Tensor f = full({4, 2}, 10.0 * dist::rank() + 1.5);
-    Tensor i = full({3}, dist::rank(), DType::i32);
-    Tensor h = full({2}, dist::rank() + 0.25, DType::f64).to(DType::bf16);
+    Tensor i = full({3}, dist::rank(), int32);
+    Tensor h = full({2}, dist::rank() + 0.25, float64).to(bfloat16);
     dist::broadcast(f, root);
     dist::broadcast(i, root);
     dist::broadcast(h, root);
@@ -71,7 +71,7 @@ TEST_CASE("barrier returns on every rank only after the last rank reached it") {
 }
 
 TEST_CASE("collectives refuse what they cannot reduce, naming the function") {
-  Tensor i = zeros({3}, DType::i32);
+  Tensor i = zeros({3}, int32);
   REQUIRE_TG_ERROR(dist::all_reduce(i), "all_reduce", "float32 or float64", "int32");
   Tensor undefined;
   REQUIRE_TG_ERROR(dist::all_reduce(undefined), "all_reduce", "undefined");

@@ -15,7 +15,7 @@ namespace {
 // tanh(x W1^T + b1) [-> BatchNorm] -> W2 . + b2, mean squared error; float64 unless asked; the
 // first layer one checkpointed segment (tg::checkpoint) when asked.
 struct Net : nn::Module {
-  Net(bool batchnorm, bool spare_param, DType dt = DType::f64, bool checkpointed = false) : ckpt(checkpointed) {
+  Net(bool batchnorm, bool spare_param, DType dt = float64, bool checkpointed = false) : ckpt(checkpointed) {
     fc1 = register_module("fc1", std::make_shared<nn::Linear>(6, 8, true, dt));
     if (batchnorm) bn = register_module("bn", std::make_shared<nn::BatchNorm1d>(8, 1e-5, 0.1, true, true, false, dt));
     fc2 = register_module("fc2", std::make_shared<nn::Linear>(8, 3, true, dt));
@@ -40,8 +40,8 @@ struct Batch {
   Tensor x, y;
   explicit Batch(std::uint64_t seed, int rows_per_rank = 2) {
     Generator g(seed);
-    x = randn({rows_per_rank * dist::world_size(), 6}, DType::f64, &g);
-    y = randn({rows_per_rank * dist::world_size(), 3}, DType::f64, &g);
+    x = randn({rows_per_rank * dist::world_size(), 6}, float64, &g);
+    y = randn({rows_per_rank * dist::world_size(), 3}, float64, &g);
   }
   Tensor xs(int r) const { return x.slice(0, 2 * r, 2 * r + 2); }
   Tensor ys(int r) const { return y.slice(0, 2 * r, 2 * r + 2); }
@@ -87,7 +87,7 @@ TEST_CASE("DDP starts from rank 0's parameters and buffers") {
   std::vector<Tensor> now = state(net);
   for (std::size_t i = 0; i < now.size(); ++i) {
     CHECK(same_on_every_rank(now[i]));
-    CHECK(max_abs_diff(now[i].to(DType::f64), rank0[i].to(DType::f64)) == 0);
+    CHECK(max_abs_diff(now[i].to(float64), rank0[i].to(float64)) == 0);
   }
   CHECK_NOTHROW(ddp.check_replicas());
 }
@@ -119,7 +119,7 @@ TEST_CASE("DDP averages the gradients of a checkpointed segment, whose parameter
   const std::vector<Tensor> want = whole_batch_grads(1, b);
   for (std::size_t cap : {std::size_t(1) << 20, std::size_t(1)}) {
     manual_seed(1);
-    Net net(false, false, DType::f64, true);
+    Net net(false, false, float64, true);
     dist::DistributedDataParallel ddp(net, {cap, true});
     net.loss(b.xs(dist::rank()), b.ys(dist::rank())).backward();
     ddp.finish_gradient_sync();

@@ -1306,7 +1306,7 @@ class Mutator {
           break;
         }
         case 3: {
-          const DType d = t.dtype() == DType::f32 ? DType::f64 : DType::f32;
+          const DType d = t.dtype() == float32 ? float64 : float32;
           sd.insert(k, t.to(d));
           w << "retyped " << k << "; ";
           break;

@@ -74,7 +74,7 @@ std::string missing_reference(const Paths& p) {
 // Softmax of the last position's logits of `ids`, in double.
 std::vector<double> next_probs(tg::nn::GPT& model, const std::vector<std::int32_t>& ids) {
   tg::NoGradGuard ng;
-  tg::Tensor x = tg::Tensor::empty({1, static_cast<std::int64_t>(ids.size())}, tg::DType::i32);
+  tg::Tensor x = tg::Tensor::empty({1, static_cast<std::int64_t>(ids.size())}, tg::int32);
   std::copy(ids.begin(), ids.end(), x.data<std::int32_t>());
   const tg::Tensor logits = model.forward(x);
   const std::int64_t V = logits.size(2), last = static_cast<std::int64_t>(ids.size()) - 1;

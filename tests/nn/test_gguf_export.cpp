@@ -33,7 +33,7 @@ nn::GPTConfig tiny_llama() {
 const std::vector<std::string> kVocab = {"\n", " ", "a", "\xc3\xa9", "\xe2\x82\xac", "z"};  // \n, space, a, é, €, z
 
 Tensor ids_of(const std::vector<std::int32_t>& v) {
-  Tensor t = Tensor::empty({1, static_cast<std::int64_t>(v.size())}, DType::i32);
+  Tensor t = Tensor::empty({1, static_cast<std::int64_t>(v.size())}, int32);
   std::memcpy(t.raw_data(), v.data(), v.size() * sizeof(std::int32_t));
   return t;
 }
@@ -94,7 +94,7 @@ TEST_CASE("a llama RMSNorm GPT maps to llama.cpp's llama arch: names, shapes, me
     INFO(name);
     REQUIRE(f.tensors.contains(name));
     CHECK(f.tensors.at(name).shape() == shape);
-    CHECK(f.tensors.at(name).dtype() == DType::f32);
+    CHECK(f.tensors.at(name).dtype() == float32);
   }
   CHECK(f.tensors.size() == 3 + 9 * 2);
   const GGUFMetadata& md = f.metadata;
@@ -143,11 +143,11 @@ TEST_CASE("the q and k rows are permuted so that llama.cpp's adjacent-pair RoPE 
   // The score of a query at position 3 against a key at position 2: tapegrad's rope (rotate_half)
   // on the original rows against llama.cpp's rotation on the written rows.
   const std::vector<double> x = {0.3, -1.2, 0.5, 2.0, -0.7, 0.1, 0.9, -0.4};
-  Tensor packed = Tensor::empty({1, 2, 3 * C}, DType::f64);  // the same token at positions 2 and 3
+  Tensor packed = Tensor::empty({1, 2, 3 * C}, float64);  // the same token at positions 2 and 3
   const std::vector<double> qkv_x = project(qkv, 0, 3 * C, x);
   for (std::int64_t t = 0; t < 2; ++t)
     for (std::int64_t j = 0; j < 3 * C; ++j) packed.set({0, t, j}, qkv_x[static_cast<std::size_t>(j)]);
-  const auto [cos, sin] = rope_tables(8, hs, 10000.0, DType::f64);
+  const auto [cos, sin] = rope_tables(8, hs, 10000.0, float64);
   const Tensor turned_a = rope(packed, cos, sin, hs, 2 * C, 2);
   for (std::int64_t h = 0; h < 2; ++h) {
     double hf = 0;
@@ -178,15 +178,15 @@ TEST_CASE("a GGUF written by tapegrad loads back to the same logits bit for bit 
 TEST_CASE("a BF16 export rounds the matrices to bfloat16 and keeps the norm gains float32", "[gguf]") {
   manual_seed(4);
   nn::GPT a(tiny_llama());
-  const GGUFFile f = nn::to_gguf(a, kVocab, {DType::bf16, "t"});
-  CHECK(f.tensors.at("blk.0.attn_q.weight").dtype() == DType::bf16);
-  CHECK(f.tensors.at("token_embd.weight").dtype() == DType::bf16);
-  CHECK(f.tensors.at("blk.0.attn_norm.weight").dtype() == DType::f32);
+  const GGUFFile f = nn::to_gguf(a, kVocab, {bfloat16, "t"});
+  CHECK(f.tensors.at("blk.0.attn_q.weight").dtype() == bfloat16);
+  CHECK(f.tensors.at("token_embd.weight").dtype() == bfloat16);
+  CHECK(f.tensors.at("blk.0.attn_norm.weight").dtype() == float32);
   CHECK(f.metadata.at("general.file_type").as_uint("") == 32);
   const nn::GGUFModel back = nn::from_gguf(from_gguf_bytes(to_gguf_bytes(f.tensors, f.metadata)));
   for (const auto& [k, t] : a.state_dict()) {
     INFO(k);
-    const Tensor want = t.dim() == 2 ? t.to(DType::bf16).to(DType::f32) : t;
+    const Tensor want = t.dim() == 2 ? t.to(bfloat16).to(float32) : t;
     CHECK(bit_equal(back.state_dict.at(k), want));
   }
 }
@@ -218,7 +218,7 @@ TEST_CASE("norms and archs llama.cpp has no equivalent for are refused with one 
   REQUIRE_TG_ERROR(nn::to_gguf(m, v), "token 2 ('ab') is not one UTF-8 character");
   v[2] = "\xe2\x96\x81";
   REQUIRE_TG_ERROR(nn::to_gguf(m, v), "token 2 is U+2581");
-  REQUIRE_TG_ERROR(nn::to_gguf(m, kVocab, {DType::f64, "x"}), "float32 or bfloat16");
+  REQUIRE_TG_ERROR(nn::to_gguf(m, kVocab, {float64, "x"}), "float32 or bfloat16");
 }
 
 TEST_CASE("importing a GGUF refuses what tapegrad's llama cannot hold, naming the key or tensor", "[gguf]") {

@@ -157,7 +157,7 @@ TEST_CASE("torch parity: BatchNorm1d matches torch.nn.BatchNorm1d over training 
       tg::StateDict sd = params_sd(c, true);
       sd.insert("running_mean", from_json(c.at("running_mean")));
       sd.insert("running_var", from_json(c.at("running_var")));
-      tg::Tensor nbt = tg::zeros({}, tg::DType::i32);
+      tg::Tensor nbt = tg::zeros({}, tg::int32);
       sd.insert("num_batches_tracked", nbt);
       m.load_state_dict(sd);
       check_close(m.running_mean, c.at("running_mean"), "BatchNorm1d initial running_mean");

@@ -42,7 +42,7 @@ class Node {
   // Whether input i needs a gradient at all (new_grad returns an undefined tensor when not).
   bool needs_grad(std::size_t i) const { return i < n_in_ && slots()[i] != nullptr; }
   // A fresh, uninitialised buffer for input i's gradient (input i's shape and dtype), or an
-  // undefined tensor when input i needs none. For a node recorded with may_overwrite_grad_out(),
+  // undefined tensor when input i needs none. For a node recorded with may_reuse_grad_out(),
   // the first call may instead return output 0's gradient itself, viewed in input i's shape, when
   // nothing else holds it: the kernel then writes dx over dy, reading dy[k] before writing dx[k].
   Tensor new_grad(std::size_t i) const;
@@ -53,7 +53,7 @@ class Node {
   void pass_grad(std::size_t i, Tensor&& g) const;
   // Declared when an op records: its backward kernel is elementwise and may write input 0's
   // gradient over output 0's (see new_grad). Returns *this.
-  Node& may_overwrite_grad_out() {
+  Node& may_reuse_grad_out() {
     overwrite_ok_ = true;
     return *this;
   }
@@ -77,7 +77,7 @@ class Node {
   const char* op_ = "";
   std::uint32_t n_in_ = 0, n_other_ = 0, n_out_ = 0, n_saved_ = 0;
   bool freed_ = false;
-  bool overwrite_ok_ = false;            // may_overwrite_grad_out()
+  bool overwrite_ok_ = false;            // may_reuse_grad_out()
   mutable bool grad_out_given_ = false;  // new_grad handed output 0's gradient out
   std::uint64_t undefined_inputs_ = 0;   // bit i: input i was an undefined (optional) tensor
   Tensor* saved_ = nullptr;

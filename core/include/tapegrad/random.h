@@ -53,8 +53,8 @@ Generator& default_generator();
 // Seeds the default generator (torch.manual_seed).
 void manual_seed(std::uint64_t seed);
 
-Tensor randn(const Shape& shape, DType dtype = DType::f32, Generator* gen = nullptr);  // N(0, 1)
-Tensor rand(const Shape& shape, DType dtype = DType::f32, Generator* gen = nullptr);   // U[0, 1)
+Tensor randn(const Shape& shape, DType dtype = float32, Generator* gen = nullptr);  // N(0, 1)
+Tensor rand(const Shape& shape, DType dtype = float32, Generator* gen = nullptr);   // U[0, 1)
 Tensor randint(std::int64_t low, std::int64_t high, const Shape& shape, Generator* gen = nullptr);  // int32
 
 // In-place initialisers (no autograd), as torch.nn.init.

@@ -25,7 +25,7 @@ class Tensor {
   Tensor() = default;  // undefined: defined() is false
 
   // Uninitialised memory of the given shape. Prefer the factories below.
-  static Tensor empty(const Shape& shape, DType dtype = DType::f32);
+  static Tensor empty(const Shape& shape, DType dtype = float32);
 
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }
@@ -96,22 +96,22 @@ class Tensor {
  private:
   detail::Ref<Storage> storage_;
   Shape shape_;
-  DType dtype_ = DType::f32;
+  DType dtype_ = float32;
   detail::Ref<AutogradMeta> meta_;
   void check_dtype(DType want) const;
   std::int64_t flat_index(std::initializer_list<std::int64_t> idx, const char* op) const;
 };
 
 // ---- factories (dtype defaults to float32, as in PyTorch) ----
-Tensor zeros(const Shape& shape, DType dtype = DType::f32);
-Tensor ones(const Shape& shape, DType dtype = DType::f32);
-Tensor full(const Shape& shape, double value, DType dtype = DType::f32);
+Tensor zeros(const Shape& shape, DType dtype = float32);
+Tensor ones(const Shape& shape, DType dtype = float32);
+Tensor full(const Shape& shape, double value, DType dtype = float32);
 Tensor zeros_like(const Tensor& t);
 Tensor ones_like(const Tensor& t);
-Tensor arange(std::int64_t end, DType dtype = DType::f32);
-Tensor arange(double start, double end, double step = 1.0, DType dtype = DType::f32);
+Tensor arange(std::int64_t end, DType dtype = float32);
+Tensor arange(double start, double end, double step = 1.0, DType dtype = float32);
 // From values: tensor({1, 2, 3, 4}, {2, 2}); the shape defaults to 1-D.
-Tensor tensor(const std::vector<double>& values, const Shape& shape = Shape(), DType dtype = DType::f32);
+Tensor tensor(const std::vector<double>& values, const Shape& shape = Shape(), DType dtype = float32);
 template <class T>
 Tensor from_vector(const std::vector<T>& values, const Shape& shape);
 

@@ -91,7 +91,7 @@ struct AutogradMeta {
   std::unique_ptr<std::string> name;  // set_name's label; null for the (many) unnamed tensors
   std::uint32_t id = 0;            // names the tensor in DOT output (0 until asked: see dot_id)
   std::atomic<std::uint32_t> refs{1};  // the Refs to this slot (Tensors and tape nodes)
-  DType dtype = DType::f32;
+  DType dtype = float32;
   bool requires_grad = false;
   bool retains_grad = false;
   // The gradient buffer to accumulate (+=) into, allocated as zeros on first use.
@@ -131,10 +131,10 @@ template <class T> std::vector<T> Tensor::to_vector() const {
   const void* p = raw_data();
   for (std::size_t i = 0; i < out.size(); ++i) {
     switch (dtype_) {
-      case DType::f32: out[i] = static_cast<T>(static_cast<const float*>(p)[i]); break;
-      case DType::f64: out[i] = static_cast<T>(static_cast<const double*>(p)[i]); break;
-      case DType::i32: out[i] = static_cast<T>(static_cast<const std::int32_t*>(p)[i]); break;
-      case DType::bf16:
+      case float32: out[i] = static_cast<T>(static_cast<const float*>(p)[i]); break;
+      case float64: out[i] = static_cast<T>(static_cast<const double*>(p)[i]); break;
+      case int32: out[i] = static_cast<T>(static_cast<const std::int32_t*>(p)[i]); break;
+      case bfloat16:
         out[i] = static_cast<T>(detail::bf16_bits_to_float(static_cast<const std::uint16_t*>(p)[i]));
         break;
     }
@@ -155,7 +155,7 @@ inline void Tensor::reset() {
   storage_.reset();
   meta_.reset();
   shape_ = Shape();
-  dtype_ = DType::f32;
+  dtype_ = float32;
 }
 inline bool Tensor::sole_owner() const { return storage_.unique(); }
 inline std::size_t Tensor::storage_refs() const { return static_cast<std::size_t>(storage_.use_count()); }

@@ -25,7 +25,7 @@ namespace tg::nn {
 std::string gguf_unsupported_reason(const GPTConfig& cfg);
 
 struct GGUFExportOptions {
-  DType dtype = DType::f32;       // of the matrices: f32 or bf16 (round to nearest even);
+  DType dtype = float32;       // of the matrices: f32 or bf16 (round to nearest even);
                                   // norm gains stay f32, as llama.cpp's own converter keeps 1-D tensors
   std::string name = "tapegrad";  // general.name
 };

@@ -48,7 +48,7 @@ struct GPTConfig {
 class CausalSelfAttention : public UnaryModule {
  public:
   CausalSelfAttention(std::int64_t n_embd, std::int64_t n_head, bool bias = false, double dropout = 0.0,
-                      DType dtype = DType::f32);
+                      DType dtype = float32);
   Tensor forward(const Tensor& x) override;  // (B, T, C) -> (B, T, C)
   std::string type_name() const override { return "CausalSelfAttention"; }
   std::string extra_repr() const override;
@@ -75,7 +75,7 @@ class Block : public UnaryModule {
  public:
   // rope_cos/rope_sin: the model's RoPE tables (llama), shared, not registered (the reference's are
   // non-persistent buffers).
-  Block(const GPTConfig& cfg, DType dtype = DType::f32, Tensor rope_cos = Tensor(), Tensor rope_sin = Tensor());
+  Block(const GPTConfig& cfg, DType dtype = float32, Tensor rope_cos = Tensor(), Tensor rope_sin = Tensor());
   Tensor forward(const Tensor& x) override;
   // The same on T new positions of one sequence (x (1, T, C)), attending to the cached keys and
   // values of the positions before them as well: k_cache and v_cache are this block's (capacity,
@@ -110,7 +110,7 @@ class GPT : public Module {
   // Initialised as GPT-2 from the default generator (seed it with tg::manual_seed first), as the
   // reference does for both archs: Linear and Embedding weights N(0, 0.02), the residual
   // projections (proj, and fc_out or down) N(0, 0.02 / sqrt(2 n_layer)), biases 0, norm gains 1.
-  explicit GPT(const GPTConfig& cfg, DType dtype = DType::f32);
+  explicit GPT(const GPTConfig& cfg, DType dtype = float32);
   Tensor forward(const Tensor& ids);                           // int32 (B, T) -> logits (B, T, V)
   Tensor loss(const Tensor& ids, const Tensor& targets);       // mean cross-entropy
   // Samples n tokens after `prompt` from softmax(logits / temperature) restricted to the top_k

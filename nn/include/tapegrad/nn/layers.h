@@ -11,7 +11,7 @@ namespace tg::nn {
 // y = x W^T + b, W (out, in). Initialised as PyTorch: U(-1/sqrt(in), 1/sqrt(in)) for W and b.
 class Linear : public UnaryModule {
  public:
-  Linear(std::int64_t in_features, std::int64_t out_features, bool bias = true, DType dtype = DType::f32);
+  Linear(std::int64_t in_features, std::int64_t out_features, bool bias = true, DType dtype = float32);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "Linear"; }
   std::string extra_repr() const override;
@@ -23,7 +23,7 @@ class Linear : public UnaryModule {
 // Rows of weight (num, dim) picked by int32 ids. Initialised N(0, 1) as PyTorch.
 class Embedding : public UnaryModule {
  public:
-  Embedding(std::int64_t num_embeddings, std::int64_t embedding_dim, DType dtype = DType::f32);
+  Embedding(std::int64_t num_embeddings, std::int64_t embedding_dim, DType dtype = float32);
   Tensor forward(const Tensor& ids) override;
   std::string type_name() const override { return "Embedding"; }
   std::string extra_repr() const override;
@@ -58,7 +58,7 @@ class Identity : public UnaryModule {
 // The transformer's feed-forward block: fc (C -> hidden), GELU, fc_out (hidden -> C), dropout.
 class MLP : public UnaryModule {
  public:
-  MLP(std::int64_t n_embd, std::int64_t hidden, bool bias = false, double dropout = 0.0, DType dtype = DType::f32);
+  MLP(std::int64_t n_embd, std::int64_t hidden, bool bias = false, double dropout = 0.0, DType dtype = float32);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "MLP"; }
   std::shared_ptr<Linear> fc, fc_out;

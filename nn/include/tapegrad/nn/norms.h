@@ -13,7 +13,7 @@ namespace tg::nn {
 class LayerNorm : public UnaryModule {
  public:
   explicit LayerNorm(std::int64_t n, double eps = 1e-5, bool elementwise_affine = true, bool bias = true,
-                     DType dtype = DType::f32);
+                     DType dtype = float32);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "LayerNorm"; }
   std::string extra_repr() const override;
@@ -29,7 +29,7 @@ class LayerNorm : public UnaryModule {
 class RMSNorm : public UnaryModule {
  public:
   explicit RMSNorm(std::int64_t n, double eps = 1e-5, bool weight = true, bool bias = false, double p = 1.0,
-                   DType dtype = DType::f32);
+                   DType dtype = float32);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return p < 1 ? "pRMSNorm" : "RMSNorm"; }
   std::string extra_repr() const override;
@@ -45,7 +45,7 @@ class RMSNorm : public UnaryModule {
 class BatchNorm1d : public UnaryModule {
  public:
   explicit BatchNorm1d(std::int64_t n, double eps = 1e-5, double momentum = 0.1, bool affine = true,
-                       bool track_running_stats = true, bool channels_last = false, DType dtype = DType::f32);
+                       bool track_running_stats = true, bool channels_last = false, DType dtype = float32);
   Tensor forward(const Tensor& x) override;
   std::string type_name() const override { return "BatchNorm1d"; }
   std::string extra_repr() const override;
@@ -59,7 +59,7 @@ class BatchNorm1d : public UnaryModule {
 // torch.nn.utils.weight_norm(Linear, dim=0), whose weight_g has shape (out, 1) where ours is (out,)).
 class WeightNorm : public UnaryModule {
  public:
-  WeightNorm(std::int64_t in_features, std::int64_t out_features, bool bias = true, DType dtype = DType::f32);
+  WeightNorm(std::int64_t in_features, std::int64_t out_features, bool bias = true, DType dtype = float32);
   // Takes over a Linear: v = its weight, g = its rows' norms (so the function is unchanged), same bias.
   explicit WeightNorm(const Linear& linear);
   Tensor forward(const Tensor& x) override;
@@ -76,6 +76,6 @@ std::string to_string(NormKind k);
 
 // The norm a transformer uses for width n: batchnorm is channels-last; prmsnorm uses p.
 std::shared_ptr<UnaryModule> make_norm(NormKind kind, std::int64_t n, double eps = 1e-5, double p = 0.0625,
-                                       DType dtype = DType::f32);
+                                       DType dtype = float32);
 
 }  // namespace tg::nn
