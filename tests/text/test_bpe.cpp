@@ -64,7 +64,7 @@ TEST_CASE("pre-tokenization: GPT-2's chunks, worked by hand", "[text]") {
   CHECK(chunks_of("").empty());
 }
 
-TEST_CASE("pre-tokenization: bytes that are not UTF-8 form chunks of their own; chunks cover the text", "[text]") {
+TEST_CASE("pre-tokenization: bytes that are not UTF-8 form chunks of their own, and chunks cover the text", "[text]") {
   CHECK(chunks_of("ab\xFF\xFE" "cd") == std::vector<std::string>{"ab", "\xFF\xFE", "cd"});
   CHECK(chunks_of("a \xC3") == std::vector<std::string>{"a", " ", "\xC3"});
   CHECK(chunks_of("\xE2\x82x") == std::vector<std::string>{"\xE2\x82", "x"});  // a truncated sequence

@@ -30,7 +30,7 @@ TEST_CASE("CharTokenizer: unknown characters, bad ids and bad vocabularies are e
   CHECK_THAT(error_of([] { CharTokenizer::from_text("\xC0\x80"); }), Catch::Contains("not valid UTF-8"));
 }
 
-TEST_CASE("UTF-8: scalar values round-trip; overlong forms, surrogates and truncation are refused", "[text]") {
+TEST_CASE("UTF-8: scalar values round-trip, and overlong forms, surrogates and truncation are refused", "[text]") {
   for (char32_t c : {U'\0', U'A', U'\u07FF', U'\u0800', U'\uFFFD', U'\U00010000', U'\U0010FFFF'}) {
     std::vector<char32_t> out;
     REQUIRE(tg::text::decode_utf8(tg::text::encode_utf8(c), out));
