@@ -24,6 +24,7 @@
 #include "lm/checkpoint.h"
 #include "lm/parallel.h"
 #include "lm/report.h"
+#include "lm/tokens.h"
 #include "lm/trainer.h"
 
 namespace fs = std::filesystem;
@@ -37,6 +38,7 @@ struct Options {
   bool compare = false, quiet = false, trace = false;
   int seeds = 1, threads = 0;
   std::string resume;  // a run directory to continue
+  lm::TokenizerChoice tok;  // --tokenizer, --vocab-size
 };
 
 enum class Mode { train, compare, resume, trace };
@@ -67,6 +69,12 @@ const CLI::Validator kFraction = bound("in (0, 1]", 0, true, 1);
 void add_model_options(CLI::App& app, Options& o) {
   lm::TrainConfig& c = o.c;
   app.add_option("--data", c.data, "UTF-8 text corpus (default: $TAPEGRAD_DATA or data/tinyshakespeare.txt)");
+  app.add_option("--tokenizer", o.tok.spec,
+                 "char, bpe (byte-level BPE trained on the training split), or a tokenizer.json / GPT-2 encoder.json")
+      ->capture_default_str();
+  app.add_option("--vocab-size", o.tok.vocab_size, "vocabulary of --tokenizer bpe (256 bytes + merges)")
+      ->check(bound("at least 256", 256, false))
+      ->capture_default_str();
   app.add_option("--arch", o.arch, "gpt (learned positions, GELU MLP, tied head) or llama (RoPE, SwiGLU, untied head)")
       ->check(CLI::IsMember({"gpt", "llama"}))
       ->capture_default_str();
@@ -153,7 +161,8 @@ int parse(CLI::App& app, Options& o, int argc, char** argv, std::string& error) 
 // What every rank of a data-parallel job must be given alike: the configuration and the mode.
 std::string options_text(const Options& o) {
   return lm::with_keys(lm::config_json(o.c), {{"out", o.c.out}, {"resume", o.resume}, {"compare", o.compare ? "1" : "0"},
-                                              {"seeds", std::to_string(o.seeds)}, {"trace", o.trace ? "1" : "0"}});
+                                              {"seeds", std::to_string(o.seeds)}, {"trace", o.trace ? "1" : "0"},
+                                              {"tokenizer", o.tok.spec + " " + std::to_string(o.tok.vocab_size)}});
 }
 
 Mode pick_mode(const Options& o) {
@@ -167,7 +176,7 @@ Mode pick_mode(const Options& o) {
 void trace_one_step(const Options& o) {
   if (lm::job_size() > 1) lm::fail_job("trace", "prints the tape of one process: run it without mpirun");
   lm::TrainConfig c = o.c;
-  lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
+  lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size, o.tok);
   c.model.vocab_size = corpus.vocab_size();
   tg::manual_seed(c.seed);
   tg::nn::GPT model(c.model);
@@ -201,7 +210,7 @@ lm::RunResult resume_run(const Options& o, const CLI::App& app) {
   r.prompt = o.c.prompt;
   r.temperature = o.c.temperature;
   r.top_k = o.c.top_k;
-  lm::Corpus corpus = lm::load_corpus(r.data, r.model.block_size);
+  lm::Corpus corpus = lm::load_corpus(r.data, r.model.block_size, lm::run_tokenizer(r.tokenizer, o.resume));
   std::cerr << "resuming " << o.resume << " (" << tg::nn::to_string(r.model.norm) << ") up to step " << r.steps << "\n";
   return lm::train(r, corpus, true);
 }
@@ -232,8 +241,8 @@ bool sample_finished_run(const Options& o, const CLI::App& app) {
 // each has its own directory under --out: <norm>/ with --compare, seed<N>/ with --seeds.
 std::vector<lm::RunResult> train_runs(const Options& o, const std::vector<tg::nn::NormKind>& kinds) {
   const lm::TrainConfig& c = o.c;
-  lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
-  std::cerr << "corpus " << c.data << ": " << corpus.train.size() + corpus.val.size() << " characters, vocabulary "
+  lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size, o.tok);
+  std::cerr << "corpus " << c.data << ": " << corpus.train.size() + corpus.val.size() << " tokens (" << lm::tokenizer_kind(corpus) << "), vocabulary "
             << corpus.vocab_size() << "; " << tg::get_num_threads() << " threads"
             << (lm::job_size() > 1 ? " per rank, " + std::to_string(lm::job_size()) + " ranks" : "") << "\n";
   std::vector<lm::RunResult> runs;
@@ -269,11 +278,11 @@ std::string settings_line(const lm::TrainConfig& s0) {
 // The metrics of every run in one file, with a seed column (several runs only).
 void write_combined_metrics(const fs::path& file, const std::vector<lm::RunResult>& runs) {
   std::ofstream all(file);
-  all << "step,norm,seed,train_loss,val_loss,lr,ms_per_step,tokens_per_s\n";
+  all << "step,norm,seed,train_loss,val_loss,lr,ms_per_step,tokens_per_s,train_bpb,val_bpb\n";
   for (const auto& r : runs)
     for (const auto& e : r.evals)
       all << e.step << ',' << r.norm << ',' << r.seed << ',' << e.train_loss << ',' << e.val_loss << ',' << e.lr << ','
-          << e.ms_per_step << ',' << e.tokens_per_s << '\n';
+          << e.ms_per_step << ',' << e.tokens_per_s << ',' << e.train_bpb << ',' << e.val_bpb << '\n';
 }
 
 // The summary table on stdout; with an output directory also summary.md, the val-loss chart and,
@@ -287,6 +296,7 @@ void write_report(const Options& o, const std::vector<lm::RunResult>& runs) {
   std::ofstream(top / "summary.md") << lm::summary_markdown(runs, settings_line(o.c));
   const std::string arch = runs.empty() ? o.arch : runs.front().arch;
   std::ofstream(top / "val_loss.svg") << lm::val_loss_svg(runs, "Validation loss by normalisation (" + arch + ")");
+  std::ofstream(top / "val_bpb.svg") << lm::val_loss_svg(runs, "Validation bits per byte by normalisation (" + arch + ")", true);
   if (o.compare || o.seeds > 1) write_combined_metrics(top / "metrics.csv", runs);
   std::cout << "\nsummary: " << (top / "summary.md").string() << "\nchart:   " << (top / "val_loss.svg").string() << "\n";
 }

@@ -15,8 +15,8 @@ std::pair<double, double> mean_sd(const std::vector<double>& v);
 std::string summary_table(const std::vector<RunResult>& runs);
 // summary.md: the table, the settings, the reading notes (BatchNorm's statistics, seeds).
 std::string summary_markdown(const std::vector<RunResult>& runs, const std::string& settings);
-// An SVG line chart of val loss against step, one curve per norm (mean over seeds), with axes,
-// ticks, grid and a legend.
-std::string val_loss_svg(const std::vector<RunResult>& runs, const std::string& title);
+// An SVG line chart of val loss (or, with bits_per_byte, val bits per byte) against step, one
+// curve per norm (mean over seeds), with axes, ticks, grid and a legend.
+std::string val_loss_svg(const std::vector<RunResult>& runs, const std::string& title, bool bits_per_byte = false);
 
 }  // namespace lm

@@ -12,6 +12,7 @@
 #include <fstream>
 
 #include "lm/checkpoint.h"
+#include "lm/tokens.h"
 
 namespace lm {
 
@@ -33,13 +34,14 @@ void reset_peak_rss() {
 
 namespace {
 
-constexpr const char* kMetricsHeader = "step,norm,train_loss,val_loss,lr,ms_per_step,tokens_per_s";
+constexpr const char* kMetricsHeader = "step,norm,train_loss,val_loss,lr,ms_per_step,tokens_per_s,train_bpb,val_bpb";
 constexpr const char* kStepLogHeader = "step,loss,lr,ms";
 
 // The configuration with the corpus's vocabulary size and the decay horizon filled in, checked.
 TrainConfig checked(const TrainConfig& in, const Corpus& corpus) {
   TrainConfig cfg = in;
   cfg.model.vocab_size = corpus.vocab_size();
+  cfg.tokenizer = tokenizer_kind(corpus);
   cfg.model.validate();
   if (cfg.lr_decay_iters < 0) cfg.lr_decay_iters = cfg.steps;
   if (cfg.batch_size < 1) fail("train", "batch size must be >= 1, got ", cfg.batch_size);
@@ -161,6 +163,7 @@ Trainer::Trainer(const TrainConfig& cfg, const Corpus& corpus, bool resume)
   DataParallel::only_rank0_writes(cfg_);
   build_model();
   if (!cfg_.out.empty()) fs::create_directories(cfg_.out);
+  save_tokenizer(corpus_, cfg_.out);  // tokenizer.json of a BPE run
   if (resume_) restore(ck);
   par_ = std::make_unique<DataParallel>(*model_, cfg_, step_, batch_gen_);  // refuses ranks that differ
   r_.start_step = step_;
@@ -187,6 +190,7 @@ void Trainer::build_model() {
   params_ = model_->parameters();
   r_.arch = nn::to_string(cfg_.model.arch);
   r_.norm = norm_;
+  r_.tokenizer = cfg_.tokenizer;
   r_.seed = cfg_.seed;
   r_.parameters = model_->num_parameters();
 }
@@ -276,12 +280,15 @@ double Trainer::train_step() {
 bool Trainer::eval_due() const { return step_ % cfg_.eval_interval == 0 || step_ == cfg_.steps; }
 
 EvalPoint Trainer::evaluate() {
-  return EvalPoint{step_,
-                   estimate_loss(*model_, corpus_.train, cfg_, *par_),
-                   estimate_loss(*model_, corpus_.val, cfg_, *par_),
-                   lr_,
-                   median_ms(),
-                   tokens_per_step_ / median_ms() * 1e3};
+  EvalPoint e{step_,
+              estimate_loss(*model_, corpus_.train, cfg_, *par_),
+              estimate_loss(*model_, corpus_.val, cfg_, *par_),
+              lr_,
+              median_ms(),
+              tokens_per_step_ / median_ms() * 1e3};
+  e.train_bpb = bits_per_byte(e.train_loss, corpus_, false);
+  e.val_bpb = bits_per_byte(e.val_loss, corpus_, true);
+  return e;
 }
 
 void Trainer::checkpoint() {
@@ -330,7 +337,7 @@ void Trainer::report_metrics(const EvalPoint& e) {
   if (!(e.val_loss >= r_.best_val)) r_.best_val = e.val_loss;  // also when best_val is NaN
   if (metrics_.is_open()) {
     metrics_ << e.step << ',' << norm_ << ',' << e.train_loss << ',' << e.val_loss << ',' << e.lr << ','
-             << e.ms_per_step << ',' << e.tokens_per_s << '\n';
+             << e.ms_per_step << ',' << e.tokens_per_s << ',' << e.train_bpb << ',' << e.val_bpb << '\n';
     metrics_.flush();
     steplog_.flush();
   }
@@ -369,7 +376,10 @@ void Trainer::sample() {
 void Trainer::save_model() {
   if (cfg_.out.empty()) return;
   save_safetensors((fs::path(cfg_.out) / "model.safetensors").string(), export_state_dict(*model_),
-                   {{"format", kModelFormat}, {"config", config_json(cfg_)}, {"vocab", corpus_.vocab_utf8()}});
+                   {{"format", kModelFormat},
+                    {"config", config_json(cfg_)},
+                    {"vocab", corpus_.vocab_utf8()},
+                    {"tokenizer", corpus_.bpe ? "tokenizer.json" : "char"}});
 }
 
 // ---- the whole run ----
