@@ -31,6 +31,7 @@
 #include "lm/resume.h"
 #include "lm/run_dir.h"
 #include "lm/signals.h"
+#include "lm/tokens.h"
 #include "lm/trainer.h"
 
 namespace fs = std::filesystem;
@@ -45,6 +46,7 @@ struct Options {
   int seeds = 1, threads = 0;
   std::string resume;  // a run directory to continue
   lm::GGUFOptions gguf;
+  lm::TokenizerChoice tok;  // --tokenizer, --vocab-size
 };
 
 enum class Mode { train, compare, resume, trace, export_gguf };
@@ -89,6 +91,12 @@ const CLI::Validator kSeed(
 void add_model_options(CLI::App& app, Options& o) {
   lm::TrainConfig& c = o.c;
   app.add_option("--data", c.data, "UTF-8 text corpus (default: $TAPEGRAD_DATA or data/tinyshakespeare.txt)");
+  app.add_option("--tokenizer", o.tok.spec,
+                 "char, bpe (byte-level BPE trained on the training split), or a tokenizer.json / GPT-2 encoder.json")
+      ->capture_default_str();
+  app.add_option("--vocab-size", o.tok.vocab_size, "vocabulary of --tokenizer bpe (256 bytes + merges)")
+      ->check(bound("at least 256", 256, false))
+      ->capture_default_str();
   app.add_option("--arch", o.arch, "gpt (learned positions, GELU MLP, tied head) or llama (RoPE, SwiGLU, untied head)")
       ->check(CLI::IsMember({"gpt", "llama"}))
       ->capture_default_str();
@@ -167,6 +175,9 @@ void check_combinations(const Options& o, const CLI::App& app) {
   if (!o.resume.empty() && (o.compare || o.seeds > 1))
     throw CLI::ValidationError("--resume", "continues one run; not with --compare or --seeds");
   if (!o.resume.empty() && o.overwrite) throw CLI::ValidationError("--overwrite", "starts a new run; not with --resume");
+  for (const char* f : {"--tokenizer", "--vocab-size"})
+    if (!o.resume.empty() && app.count(f))
+      throw CLI::ValidationError(f, "not with --resume: a resumed run keeps the tokenizer it was trained with");
   if (!o.resume.empty() && app.count("--out"))
     throw CLI::ValidationError("--out", "not with --resume: a resumed run writes to its own directory");
   if (o.resume.empty() && o.c.min_lr > o.c.lr)
@@ -205,7 +216,8 @@ int parse(CLI::App& app, Options& o, int argc, char** argv, std::string& error) 
 // What every rank of a data-parallel job must be given alike: the configuration and the mode.
 std::string options_text(const Options& o) {
   return lm::with_keys(lm::config_json(o.c), {{"out", o.c.out}, {"resume", o.resume}, {"compare", o.compare ? "1" : "0"},
-                                              {"seeds", std::to_string(o.seeds)}, {"trace", o.trace ? "1" : "0"}});
+                                              {"seeds", std::to_string(o.seeds)}, {"trace", o.trace ? "1" : "0"},
+                                              {"tokenizer", o.tok.spec + " " + std::to_string(o.tok.vocab_size)}});
 }
 
 Mode pick_mode(const Options& o) {
@@ -220,7 +232,7 @@ Mode pick_mode(const Options& o) {
 void trace_one_step(const Options& o) {
   if (lm::job_size() > 1) lm::fail_job("trace", "prints the tape of one process: run it without mpirun");
   lm::TrainConfig c = o.c;
-  lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
+  lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size, o.tok);
   c.model.vocab_size = corpus.vocab_size();
   tg::manual_seed(c.seed);
   tg::nn::GPT model(c.model);
@@ -291,7 +303,7 @@ bool nothing_to_do(const lm::TrainConfig& r, const tg::Metadata& meta) {
 std::vector<lm::RunResult> resume_run(const lm::TrainConfig& r, const tg::Metadata& meta) {
   lm::RunLock lock;
   lm::on_rank0([&] { lock = lm::RunLock(r.out); });
-  lm::Corpus corpus = lm::load_corpus(r.data, r.model.block_size);
+  lm::Corpus corpus = lm::load_corpus(r.data, r.model.block_size, lm::run_tokenizer(r.tokenizer, r.out));
   lm::agree_on_corpus(corpus.path, corpus.content_hash);  // then every rank checks the same vocabulary
   try {
     lm::check_vocabulary(meta, (fs::path(r.out) / "checkpoint.safetensors").string(), corpus);
@@ -330,8 +342,8 @@ std::vector<lm::RunResult> train_runs(const Options& o, const std::vector<tg::nn
   const lm::TrainConfig& c = o.c;
   lm::RunLock lock;  // the whole directory, for every run under it
   if (!c.out.empty()) lm::on_rank0([&] { lock = lm::claim_new_run(c.out, o.overwrite); });
-  lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size);
-  std::cerr << "corpus " << c.data << ": " << corpus.train.size() + corpus.val.size() << " characters, vocabulary "
+  lm::Corpus corpus = lm::load_corpus(c.data, c.model.block_size, o.tok);
+  std::cerr << "corpus " << c.data << ": " << corpus.train.size() + corpus.val.size() << " tokens (" << lm::tokenizer_kind(corpus) << "), vocabulary "
             << corpus.vocab_size() << "; " << tg::get_num_threads() << " threads"
             << (lm::job_size() > 1 ? " per rank, " + std::to_string(lm::job_size()) + " ranks" : "") << "\n";
   std::vector<lm::RunResult> runs;
@@ -367,11 +379,11 @@ std::string settings_line(const lm::TrainConfig& s0) {
 // The metrics of every run in one file, with a seed column (several runs only).
 void write_combined_metrics(const fs::path& file, const std::vector<lm::RunResult>& runs) {
   std::ostringstream all;
-  all << "step,norm,seed,train_loss,val_loss,lr,ms_per_step,tokens_per_s\n";
+  all << "step,norm,seed,train_loss,val_loss,lr,ms_per_step,tokens_per_s,train_bpb,val_bpb\n";
   for (const auto& r : runs)
     for (const auto& e : r.evals)
       all << e.step << ',' << r.norm << ',' << r.seed << ',' << e.train_loss << ',' << e.val_loss << ',' << e.lr << ','
-          << e.ms_per_step << ',' << e.tokens_per_s << '\n';
+          << e.ms_per_step << ',' << e.tokens_per_s << ',' << e.train_bpb << ',' << e.val_bpb << '\n';
   lm::write_if_changed(file.string(), all.str());
 }
 
@@ -396,6 +408,8 @@ void write_report(const Options& o, const lm::TrainConfig& settings, const fs::p
   const std::string arch = runs.empty() ? o.arch : runs.front().arch;
   lm::write_if_changed((top / "val_loss.svg").string(),
                        lm::val_loss_svg(runs, "Validation loss by normalisation (" + arch + ")"));
+  lm::write_if_changed((top / "val_bpb.svg").string(),
+                       lm::val_loss_svg(runs, "Validation bits per byte by normalisation (" + arch + ")", true));
   if (o.compare || o.seeds > 1) write_combined_metrics(top / "metrics.csv", runs);
   std::cout << "\nsummary: " << (top / "summary.md").string() << "\nchart:   " << (top / "val_loss.svg").string() << "\n";
 }

@@ -41,7 +41,8 @@ json config_to_json(const TrainConfig& c) {
               {"eval_interval", c.eval_interval},
               {"eval_iters", c.eval_iters},
               {"seed", c.seed},
-              {"precision", c.precision}};
+              {"precision", c.precision},
+              {"tokenizer", c.tokenizer}};
 }
 
 TrainConfig config_from_json(const json& j) {
@@ -73,6 +74,7 @@ TrainConfig config_from_json(const json& j) {
   c.seed = j.at("seed");
   c.precision = j.value("precision", std::string("float32"));  // absent from checkpoints of float32-only versions
   if (c.precision != "float32" && c.precision != "bf16") fail("resume", "unknown precision '", c.precision, "'");
+  c.tokenizer = j.value("tokenizer", std::string("char"));  // absent from checkpoints of character-only versions
   return c;
 }
 

@@ -1,26 +1,34 @@
 #pragma once
 // A character-level corpus: UTF-8 text decoded to code points, the sorted set of distinct
-// characters as the vocabulary, and a 90/10 train/validation split (as in the PyTorch reference).
+// characters as the vocabulary (tg::text::CharTokenizer), and a 90/10 train/validation split (as
+// in the PyTorch reference). lm/tokens.h gives the same split in byte-level BPE tokens instead.
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <tapegrad/tapegrad.h>
 #include <tapegrad/nn.h>
 #include <tapegrad/optim.h>
+#include <tapegrad/text/bpe.h>
+#include <tapegrad/text/char_tokenizer.h>
 
 namespace lm {
 
 struct Corpus {
   std::string path;
   std::uint64_t content_hash = 0;    // FNV-1a (64-bit) of the file's bytes: ranks compare it
-  std::vector<char32_t> vocab;       // sorted code points; token id = index
+  tg::text::CharTokenizer chars;     // sorted code points; token id = index
+  std::shared_ptr<const tg::text::BpeTokenizer> bpe;  // set: the ids are BPE tokens (lm/tokens.h)
   std::vector<std::int32_t> train, val;
-  std::int64_t vocab_size() const { return static_cast<std::int64_t>(vocab.size()); }
+  std::int64_t train_bytes = 0, val_bytes = 0;  // UTF-8 bytes of each split, for bits per byte
+  std::int64_t vocab_size() const { return bpe ? bpe->vocab_size() : chars.vocab_size(); }
   std::string decode(const std::vector<std::int32_t>& ids) const;
   // Token ids of a UTF-8 text; a character outside the vocabulary is a tg::Error naming it.
   std::vector<std::int32_t> encode(const std::string& text) const;
-  std::string vocab_utf8() const;    // the vocabulary as one UTF-8 string (stored in checkpoints)
+  // The vocabulary as one UTF-8 string (stored in checkpoints): the characters, or for BPE
+  // "tokenizer.json" and a newline before the file's text (no sorted vocabulary starts so).
+  std::string vocab_utf8() const;
 };
 
 // Throws tg::Error with a one-line reason for a missing file, a directory or any other file that is

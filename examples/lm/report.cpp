@@ -49,11 +49,13 @@ std::string loss_cell(const std::vector<double>& v) {
 
 std::string summary_table(const std::vector<RunResult>& runs) {
   std::ostringstream s;
-  s << "| arch | norm | params | seeds | final val loss | best val loss | final train loss | ms/step | tokens/s | peak RSS MiB |\n"
-    << "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  s << "| arch | norm | params | seeds | final val loss | best val loss | final train loss | ms/step | tokens/s | peak RSS MiB "
+       "| final val bits/byte |\n"
+    << "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const auto& [norm, rs] : by_norm(runs)) {
-    std::vector<double> fv, bv, ft, ms, tps, mem;
+    std::vector<double> fv, bv, ft, ms, tps, mem, bpb;
     for (const RunResult* r : rs) {
+      bpb.push_back(r->evals.empty() ? NAN : r->evals.back().val_bpb);
       fv.push_back(r->final_val);
       bv.push_back(r->best_val);
       ft.push_back(r->final_train);
@@ -63,7 +65,7 @@ std::string summary_table(const std::vector<RunResult>& runs) {
     }
     s << "| " << rs.front()->arch << " | " << norm << " | " << rs.front()->parameters << " | " << rs.size() << " | " << loss_cell(fv) << " | "
       << loss_cell(bv) << " | " << loss_cell(ft) << " | " << fmt("%.1f", mean_sd(ms).first) << " | "
-      << fmt("%.0f", mean_sd(tps).first) << " | " << fmt("%.0f", mean_sd(mem).first) << " |\n";
+      << fmt("%.0f", mean_sd(tps).first) << " | " << fmt("%.0f", mean_sd(mem).first) << " | " << loss_cell(bpb) << " |\n";
   }
   return s.str();
 }
@@ -72,13 +74,18 @@ std::string summary_markdown(const std::vector<RunResult>& runs, const std::stri
                              const std::string& step_log) {
   std::ostringstream s;
   const std::string arch = runs.empty() ? "gpt" : runs.front().arch;
-  s << "# Norm comparison: character-level " << (arch == "llama" ? "LLaMA-style transformer (llama)" : "GPT (gpt)")
+  const bool bpe = !runs.empty() && runs.front().tokenizer == "bpe";
+  s << "# Norm comparison: " << (bpe ? "byte-level BPE" : "character-level") << " " << (arch == "llama" ? "LLaMA-style transformer (llama)" : "GPT (gpt)")
     << "\n\n" << settings << "\n\n" << summary_table(runs) << "\n";
-  s << "Chart of the validation loss: `val_loss.svg`. Every evaluation: `metrics.csv`; every step: `" << step_log
-    << "`.\n\n"
+  s << "Charts of the validation loss: `val_loss.svg`, in bits per byte: `val_bpb.svg`. Every evaluation: "
+       "`metrics.csv`; every step: `" << step_log << "`.\n\n"
     << "## Reading this table\n\n"
-    << "- Losses are mean cross-entropy in nats per character, estimated on the same fixed batches for every "
+    << "- Losses are mean cross-entropy in nats per " << (bpe ? "BPE token" : "character")
+    << ", estimated on the same fixed batches for every "
        "norm; ms/step is the median step time after the first 10 steps, and tokens/s follows from it.\n"
+    << "- Bits per byte (`val_bpb`, `train_bpb` in metrics.csv) is the loss x tokens / bytes / ln 2 of the split: "
+       "the bits needed per byte of UTF-8 text. Unlike nats per token it compares runs with different "
+       "tokenizers (characters, BPE of any vocabulary size) on the same text.\n"
     << "- With one seed a difference of a few hundredths of a nat between norms is within run-to-run noise; "
        "`--seeds N` repeats every norm and reports mean ± standard deviation.\n"
     << "- **BatchNorm is not comparable row for row.** In training it normalises each channel with statistics "
@@ -95,7 +102,7 @@ std::string summary_markdown(const std::vector<RunResult>& runs, const std::stri
   return s.str();
 }
 
-std::string val_loss_svg(const std::vector<RunResult>& runs, const std::string& title) {
+std::string val_loss_svg(const std::vector<RunResult>& runs, const std::string& title, bool bits_per_byte) {
   const double W = 820, H = 500, L = 70, R = 170, T = 50, B = 60;  // plot area margins
   struct Curve {
     std::string name;
@@ -107,7 +114,7 @@ std::string val_loss_svg(const std::vector<RunResult>& runs, const std::string& 
     Curve c{norm, {}};
     std::map<std::int64_t, std::vector<double>> at;
     for (const RunResult* r : rs)
-      for (const auto& e : r->evals) at[e.step].push_back(e.val_loss);
+      for (const auto& e : r->evals) at[e.step].push_back(bits_per_byte ? e.val_bpb : e.val_loss);
     for (const auto& [step, v] : at) {
       const double m = mean_sd(v).first;
       if (!std::isfinite(m)) continue;
@@ -155,7 +162,11 @@ std::string val_loss_svg(const std::vector<RunResult>& runs, const std::string& 
   s << "<line x1=\"" << L << "\" x2=\"" << L << "\" y1=\"" << T << "\" y2=\"" << T + ph << "\" stroke=\"black\"/>\n"
     << "<line x1=\"" << L << "\" x2=\"" << L + pw << "\" y1=\"" << T + ph << "\" y2=\"" << T + ph << "\" stroke=\"black\"/>\n"
     << "<text x=\"" << L + pw / 2 << "\" y=\"" << H - 15 << "\" text-anchor=\"middle\">training step</text>\n"
-    << "<text transform=\"translate(20," << T + ph / 2 << ") rotate(-90)\" text-anchor=\"middle\">validation loss (nats/char)</text>\n";
+    << "<text transform=\"translate(20," << T + ph / 2 << ") rotate(-90)\" text-anchor=\"middle\">"
+    << (bits_per_byte ? "validation bits per byte"
+                      : runs.empty() || runs.front().tokenizer == "char" ? "validation loss (nats/char)"
+                                                                          : "validation loss (nats/token)")
+    << "</text>\n";
   // curves and legend
   for (std::size_t i = 0; i < curves.size(); ++i) {
     const char* col = colors[i % 8];

@@ -17,8 +17,8 @@ std::string summary_table(const std::vector<RunResult>& runs);
 // names where every step is logged, relative to summary.md.
 std::string summary_markdown(const std::vector<RunResult>& runs, const std::string& settings,
                              const std::string& step_log = "<norm>/train_log.csv");
-// An SVG line chart of val loss against step, one curve per norm (mean over seeds), with axes,
-// ticks, grid and a legend.
-std::string val_loss_svg(const std::vector<RunResult>& runs, const std::string& title);
+// An SVG line chart of val loss (or, with bits_per_byte, val bits per byte) against step, one
+// curve per norm (mean over seeds), with axes, ticks, grid and a legend.
+std::string val_loss_svg(const std::vector<RunResult>& runs, const std::string& title, bool bits_per_byte = false);
 
 }  // namespace lm

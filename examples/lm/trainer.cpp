@@ -18,6 +18,7 @@
 #include "lm/run_dir.h"
 #include "lm/signals.h"
 #include "lm/gguf_cli.h"
+#include "lm/tokens.h"
 
 namespace lm {
 
@@ -39,13 +40,14 @@ void reset_peak_rss() {
 
 namespace {
 
-constexpr const char* kMetricsHeader = "step,norm,train_loss,val_loss,lr,ms_per_step,tokens_per_s";
+constexpr const char* kMetricsHeader = "step,norm,train_loss,val_loss,lr,ms_per_step,tokens_per_s,train_bpb,val_bpb";
 constexpr const char* kStepLogHeader = "step,loss,lr,ms";
 
 // The configuration with the corpus's vocabulary size and the decay horizon filled in, checked.
 TrainConfig checked(const TrainConfig& in, const Corpus& corpus) {
   TrainConfig cfg = in;
   cfg.model.vocab_size = corpus.vocab_size();
+  cfg.tokenizer = tokenizer_kind(corpus);
   cfg.model.validate();
   if (cfg.lr_decay_iters < 0) cfg.lr_decay_iters = cfg.steps;
   if (cfg.batch_size < 1) fail("train", "batch size must be >= 1, got ", cfg.batch_size);
@@ -158,6 +160,7 @@ Trainer::Trainer(const TrainConfig& cfg, const Corpus& corpus, bool resume)
   if (!cfg_.out.empty()) lock_ = RunLock(cfg_.out);  // creates the directory; one writer at a time
   build_model();
   if (!resume_ && !cfg_.init_from.empty()) init_from_gguf(*model_, cfg_.init_from, corpus_);
+  if (!resume_) save_tokenizer(corpus_, cfg_.out);  // tokenizer.json of a BPE run (a resume reads it)
   if (resume_) restore(ck);
   par_ = std::make_unique<DataParallel>(*model_, cfg_, step_, batch_gen_);  // refuses ranks that differ
   r_.start_step = step_;
@@ -184,6 +187,7 @@ void Trainer::build_model() {
   params_ = model_->parameters();
   r_.arch = nn::to_string(cfg_.model.arch);
   r_.norm = norm_;
+  r_.tokenizer = cfg_.tokenizer;
   r_.seed = cfg_.seed;
   r_.parameters = model_->num_parameters();
 }
@@ -271,12 +275,15 @@ double Trainer::train_step() {
 bool Trainer::eval_due() const { return step_ % cfg_.eval_interval == 0 || step_ == cfg_.steps; }
 
 EvalPoint Trainer::evaluate() {
-  return EvalPoint{step_,
-                   estimate_loss(*model_, corpus_.train, cfg_, *par_),
-                   estimate_loss(*model_, corpus_.val, cfg_, *par_),
-                   lr_,
-                   median_ms(),
-                   tokens_per_step_ / median_ms() * 1e3};
+  EvalPoint e{step_,
+              estimate_loss(*model_, corpus_.train, cfg_, *par_),
+              estimate_loss(*model_, corpus_.val, cfg_, *par_),
+              lr_,
+              median_ms(),
+              tokens_per_step_ / median_ms() * 1e3};
+  e.train_bpb = bits_per_byte(e.train_loss, corpus_, false);
+  e.val_bpb = bits_per_byte(e.val_loss, corpus_, true);
+  return e;
 }
 
 void Trainer::checkpoint() {
@@ -328,7 +335,7 @@ void Trainer::report_metrics(const EvalPoint& e) {
   if (!(e.val_loss >= r_.best_val)) r_.best_val = e.val_loss;  // also when best_val is NaN
   if (metrics_.is_open()) {
     metrics_ << e.step << ',' << norm_ << ',' << e.train_loss << ',' << e.val_loss << ',' << e.lr << ','
-             << e.ms_per_step << ',' << e.tokens_per_s << '\n';
+             << e.ms_per_step << ',' << e.tokens_per_s << ',' << e.train_bpb << ',' << e.val_bpb << '\n';
     metrics_.flush();
     steplog_.flush();
   }
@@ -366,7 +373,10 @@ void Trainer::sample() {
 
 void Trainer::save_model() {
   if (cfg_.out.empty()) return;
-  const Metadata meta{{"format", kModelFormat}, {"config", config_json(cfg_)}, {"vocab", corpus_.vocab_utf8()}};
+  const Metadata meta{{"format", kModelFormat},
+                      {"config", config_json(cfg_)},
+                      {"vocab", corpus_.vocab_utf8()},
+                      {"tokenizer", corpus_.bpe ? "tokenizer.json" : "char"}};
   r_.model_written = write_if_changed((fs::path(cfg_.out) / "model.safetensors").string(),
                                       to_safetensors_bytes(export_state_dict(*model_), meta));
 }

@@ -38,6 +38,7 @@ struct Checkpoint;  // lm/checkpoint.h
 struct TrainConfig {
   std::string data;
   tg::nn::GPTConfig model;        // vocab_size is set from the corpus
+  std::string tokenizer = "char"; // "char" or "bpe": set from the corpus (lm/tokens.h)
   std::int64_t batch_size = 12;
   std::int64_t steps = 2000;      // total, also when resuming
   double lr = 1e-3, min_lr = 1e-4;
@@ -67,10 +68,12 @@ struct TrainConfig {
 struct EvalPoint {
   std::int64_t step;
   double train_loss, val_loss, lr, ms_per_step, tokens_per_s;
+  double train_bpb = NAN, val_bpb = NAN;  // the losses in bits per byte (lm/tokens.h)
 };
 
 struct RunResult {
   std::string arch, norm;
+  std::string tokenizer = "char";  // TrainConfig::tokenizer
   std::uint64_t seed = 0;
   std::int64_t parameters = 0;
   std::vector<EvalPoint> evals;

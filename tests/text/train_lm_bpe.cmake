@@ -1,0 +1,66 @@
+# train_lm with byte-level BPE tokens (--tokenizer bpe --vocab-size N) on the first 200 kB of the
+# corpus: the run directory holds tokenizer.json, metrics.csv has the bits-per-byte columns and
+# model.safetensors names the tokenizer; a run stopped at step 3 and resumed to step 6 ends with the
+# same model.safetensors, byte for byte, as a straight run; the finished run samples from a prompt;
+# --tokenizer FILE reuses a tokenizer.json as it is.
+# cmake -DTRAIN_LM=... -DCORPUS=... -DWORK_DIR=... -P train_lm_bpe.cmake
+cmake_minimum_required(VERSION 3.18)
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+if(NOT EXISTS ${CORPUS})
+  message("skip: corpus ${CORPUS} not found")
+  return()
+endif()
+file(READ ${CORPUS} text LIMIT 200000)
+file(WRITE ${WORK_DIR}/corpus.txt "${text}")
+set(args --data ${WORK_DIR}/corpus.txt --tokenizer bpe --vocab-size 320 --n-layer 1 --n-embd 16 --n-head 2
+         --block-size 16 --batch-size 4 --eval-interval 3 --eval-iters 2 --lr-decay-iters 6 --threads 1 --quiet)
+
+function(train_lm)
+  execute_process(COMMAND ${TRAIN_LM} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "train_lm ${ARGN}: exit ${rc}: ${err}")
+  endif()
+  set(out "${out}" PARENT_SCOPE)
+endfunction()
+
+train_lm(${args} --steps 6 --out ${WORK_DIR}/straight)
+train_lm(${args} --steps 3 --out ${WORK_DIR}/split)
+train_lm(--resume ${WORK_DIR}/split --steps 6 --quiet)
+foreach(f tokenizer.json model.safetensors)
+  file(SHA256 ${WORK_DIR}/straight/${f} a)
+  file(SHA256 ${WORK_DIR}/split/${f} b)
+  if(NOT a STREQUAL b)
+    message(FATAL_ERROR "${f} of the resumed run differs from the straight run's")
+  endif()
+endforeach()
+
+file(STRINGS ${WORK_DIR}/split/metrics.csv rows)
+list(GET rows 0 header)
+list(LENGTH rows n)
+if(NOT header MATCHES ",train_bpb,val_bpb$" OR NOT n EQUAL 3)
+  message(FATAL_ERROR "metrics.csv: header '${header}', ${n} lines (expected the bpb columns and 2 rows)")
+endif()
+list(GET rows 2 last)
+if(NOT last MATCHES "^6,rmsnorm,.*,[0-9.]+,[0-9.]+$")
+  message(FATAL_ERROR "metrics.csv: last row '${last}'")
+endif()
+file(STRINGS ${WORK_DIR}/split/model.safetensors named REGEX "\"tokenizer\":\"tokenizer\\.json\"")
+if(named STREQUAL "")
+  message(FATAL_ERROR "model.safetensors' metadata does not name tokenizer.json")
+endif()
+
+train_lm(--resume ${WORK_DIR}/split --steps 6 --sample 12 --prompt "ROMEO:")
+set(sample "${out}")
+string(LENGTH "${out}" n)
+if(NOT out MATCHES "^ROMEO:" OR n LESS 8)
+  message(FATAL_ERROR "sampling the finished run printed '${out}'")
+endif()
+
+train_lm(${args} --steps 1 --tokenizer ${WORK_DIR}/straight/tokenizer.json --out ${WORK_DIR}/from_file)
+file(SHA256 ${WORK_DIR}/straight/tokenizer.json a)
+file(SHA256 ${WORK_DIR}/from_file/tokenizer.json b)
+if(NOT a STREQUAL b)
+  message(FATAL_ERROR "--tokenizer FILE did not keep the tokenizer as it is")
+endif()
+message(STATUS "BPE run trained, resumed bit for bit and sampled: ${sample}")
