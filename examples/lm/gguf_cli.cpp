@@ -13,7 +13,7 @@ namespace {
 
 std::vector<std::string> characters(const Corpus& vocab) {
   std::vector<std::string> out;
-  for (char32_t c : vocab.vocab) out.push_back(encode_utf8(c));
+  for (char32_t c : vocab.chars.vocab()) out.push_back(encode_utf8(c));
   return out;
 }
 
@@ -64,7 +64,7 @@ void init_from_gguf(nn::GPT& model, const std::string& file, const Corpus& corpu
   const nn::GGUFModel m = nn::load_gguf_model(file);
   if (m.vocab != characters(corpus))
     fail("--init-from", "the corpus '", corpus.path, "' has a different vocabulary from '", file, "' (",
-         corpus.vocab.size(), " characters against ", m.vocab.size(), " tokens)");
+         corpus.chars.vocab().size(), " characters against ", m.vocab.size(), " tokens)");
   model.load_state_dict(m.state_dict);  // refuses a configuration that differs, naming the tensors
 }
 
