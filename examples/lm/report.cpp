@@ -102,14 +102,18 @@ std::string summary_markdown(const std::vector<RunResult>& runs, const std::stri
   return s.str();
 }
 
-std::string val_loss_svg(const std::vector<RunResult>& runs, const std::string& title, bool bits_per_byte) {
-  const double W = 820, H = 500, L = 70, R = 170, T = 50, B = 60;  // plot area margins
-  struct Curve {
-    std::string name;
-    std::vector<std::pair<double, double>> pts;
-  };
+namespace {
+// One curve of the chart: a norm's validation figure (mean over seeds) at each evaluated step.
+struct Curve {
+  std::string name;
+  std::vector<std::pair<double, double>> pts;
+};
+
+// The curves, and the ranges they span: steps up to xmax, values in [ymin, ymax].
+std::vector<Curve> chart_curves(const std::vector<RunResult>& runs, bool bits_per_byte, double& xmax, double& ymin,
+                                double& ymax) {
   std::vector<Curve> curves;
-  double xmax = 1, ymin = INFINITY, ymax = -INFINITY;
+  xmax = 1, ymin = INFINITY, ymax = -INFINITY;
   for (const auto& [norm, rs] : by_norm(runs)) {
     Curve c{norm, {}};
     std::map<std::int64_t, std::vector<double>> at;
@@ -125,11 +129,22 @@ std::string val_loss_svg(const std::vector<RunResult>& runs, const std::string& 
     }
     curves.push_back(c);
   }
-  if (!std::isfinite(ymin)) { ymin = 0; ymax = 1; }
-  // round the y range out to a tick step
-  const double span = std::max(ymax - ymin, 1e-3);
-  const double raw = span / 6, mag = std::pow(10, std::floor(std::log10(raw)));
-  const double tick = raw / mag < 2 ? 2 * mag : raw / mag < 5 ? 5 * mag : 10 * mag;
+  if (!std::isfinite(ymin)) ymin = 0, ymax = 1;
+  return curves;
+}
+
+// A tick step of 2, 5 or 10 times a power of ten, about span / n; the y range rounded out to it.
+double nice_tick(double span, double n) {
+  const double raw = span / n, mag = std::pow(10, std::floor(std::log10(raw)));
+  return raw / mag < 2 ? 2 * mag : raw / mag < 5 ? 5 * mag : 10 * mag;
+}
+}  // namespace
+
+std::string val_loss_svg(const std::vector<RunResult>& runs, const std::string& title, bool bits_per_byte) {
+  const double W = 820, H = 500, L = 70, R = 170, T = 50, B = 60;  // plot area margins
+  double xmax, ymin, ymax;
+  const std::vector<Curve> curves = chart_curves(runs, bits_per_byte, xmax, ymin, ymax);
+  const double tick = nice_tick(std::max(ymax - ymin, 1e-3), 6);
   ymin = std::floor(ymin / tick) * tick;
   ymax = std::ceil(ymax / tick) * tick;
   if (ymax <= ymin) ymax = ymin + tick;
@@ -150,8 +165,7 @@ std::string val_loss_svg(const std::vector<RunResult>& runs, const std::string& 
       << fmt(tick < 0.1 ? "%.2f" : "%.1f", y) << "</text>\n";
   }
   // x ticks
-  const double xr = xmax / 5, xmag = std::pow(10, std::floor(std::log10(xr)));
-  const double xt = xr / xmag < 2 ? 2 * xmag : xr / xmag < 5 ? 5 * xmag : 10 * xmag;
+  const double xt = nice_tick(xmax, 5);
   for (double x = 0; x <= xmax + xt / 2; x += xt) {
     if (x > xmax) break;
     s << "<line x1=\"" << X(x) << "\" x2=\"" << X(x) << "\" y1=\"" << T << "\" y2=\"" << T + ph

@@ -163,10 +163,11 @@ double median_step_ms(const fs::path& file) {
 RunResult whole_run(RunResult r, const std::string& dir, double tokens_per_step) {
   r.evals.clear();
   for (const auto& row : csv_rows(fs::path(dir) / "metrics.csv")) {
-    if (row.size() != 7) continue;  // a torn row
+    if (row.size() != 9) continue;  // a torn row
     std::int64_t step = 0;
     std::from_chars(row[0].data(), row[0].data() + row[0].size(), step);
-    r.evals.push_back({step, number(row[2]), number(row[3]), number(row[4]), number(row[5]), number(row[6])});
+    r.evals.push_back({step, number(row[2]), number(row[3]), number(row[4]), number(row[5]), number(row[6]),
+                       number(row[7]), number(row[8])});
   }
   if (!r.evals.empty()) {
     r.final_train = r.evals.back().train_loss;
