@@ -3,7 +3,7 @@
 // The kernels against their reference loops: test_norm_kernels.cpp.
 #include <cmath>
 
-#include "helpers.h"
+#include "helpers.h"  // tests/helpers.h: param64(shape, seed, scale, shift) = a float64 leaf, scale * N(0,1) + shift
 
 using namespace tg;
 using namespace tgtest;
@@ -69,9 +69,9 @@ TEST_CASE("fused RMSNorm and pRMSNorm equal their composite twin") {
 }
 
 TEST_CASE("RMSNorm's parameter sums over many rows: blocks of 16 rows, split across threads") {
-  // The backward sums dg and db over blocks of 16 rows (in T), then the blocks into per-thread
-  // double partials: row counts with a partial last block, below and above the size at which the
-  // rows are split across threads (32768 elements), at 1, 2 and 3 threads.
+  // Unlike norms.h's loops (all in double), norms_fast.h sums dg and db over blocks of 16 rows in T,
+  // then the blocks into per-thread double partials: row counts with a partial last block, below and
+  // above the size at which the rows are split across threads (32768 elements), at 1, 2, 3 threads.
   const int before = get_num_threads();
   std::uint64_t seed = 500;
   for (int threads : {1, 2, 3}) {
@@ -95,6 +95,21 @@ TEST_CASE("RMSNorm's parameter sums over many rows: blocks of 16 rows, split acr
   CHECK(max_abs_diff(g32.grad().to(float64), g64.grad()) <= 2e-6 * scale);
   CHECK(max_abs_diff(x32.grad().to(float64), x64.grad()) <= 1e-5 * max(abs(x64.grad())).item());
   set_num_threads(before);
+}
+
+TEST_CASE("a tensor used twice gets the sum of both paths' gradients: y = rms_norm(x, g) + x") {
+  // rms_norm's node and add's node each pass a gradient for x; the tape adds them (pass_grad).
+  Tensor x1 = param64({3, 5}, 30, 2.0, 0.5), g1 = param64({5}, 31, 0.5, 1.0), dy = param64({3, 5}, 32).detach();
+  Tensor x2 = x1.detach().clone().requires_grad_(), g2 = g1.detach().clone().requires_grad_();
+  (rms_norm(x1, g1, Tensor(), 1e-5) + x1).backward(dy);
+  (composite::rms_norm(x2, g2, Tensor(), 1e-5) + x2).backward(dy);
+  CHECK(close12(x1.grad(), x2.grad()));
+  CHECK(close12(g1.grad(), g2.grad()));
+  Tensor x3 = x1.detach().clone().requires_grad_();  // the norm's path alone: x's gradient lacks dy
+  rms_norm(x3, g1.detach(), Tensor(), 1e-5).backward(dy);
+  CHECK(close12(x1.grad(), x3.grad() + dy));
+  require_gradcheck([](auto& in) { return rms_norm(in[0], in[1], Tensor(), 1e-5) + in[0]; },
+                    {param64({3, 5}, 33), param64({5}, 34)});
 }
 
 TEST_CASE("fused BatchNorm equals its composite twin in training and eval") {
