@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
 
 namespace tg::nn {
 
@@ -11,6 +12,7 @@ constexpr const char* kSpace = "\xe2\x96\x81";  // U+2581, SentencePiece's stand
 constexpr double kRopeBase = 10000.0;           // tapegrad's llama (GPT builds its tables with it)
 constexpr std::uint32_t kFileTypeF32 = 0, kFileTypeBF16 = 32;  // llama.cpp's LLAMA_FTYPE_ALL_F32, MOSTLY_BF16
 constexpr std::int32_t kTokenNormal = 1;                        // llama.cpp's LLAMA_TOKEN_TYPE_NORMAL
+constexpr std::int32_t kTokenUserDefined = 4;                   // LLAMA_TOKEN_TYPE_USER_DEFINED
 
 // Bytes of the UTF-8 sequence that starts with lead byte b, 0 when b cannot start one.
 int utf8_length(unsigned char b) { return b < 0x80 ? 1 : (b >> 5) == 6 ? 2 : (b >> 4) == 14 ? 3 : (b >> 3) == 30 ? 4 : 0; }
@@ -87,7 +89,7 @@ GGUFMetadata model_metadata(const GPTConfig& c, const GGUFExportOptions& o) {
   return md;
 }
 
-void add_tokenizer(GGUFMetadata& md, const std::vector<std::string>& vocab) {
+void add_char_tokenizer(GGUFMetadata& md, const std::vector<std::string>& vocab) {
   std::vector<std::string> tokens;
   for (std::size_t i = 0; i < vocab.size(); ++i) {
     if (!is_one_character(vocab[i]))
@@ -100,6 +102,53 @@ void add_tokenizer(GGUFMetadata& md, const std::vector<std::string>& vocab) {
   md.set("tokenizer.ggml.tokens", GGUFValue::strings(std::move(tokens)));
   md.set("tokenizer.ggml.scores", GGUFValue::f32s(std::vector<float>(vocab.size(), 0.0f)));
   md.set("tokenizer.ggml.token_type", GGUFValue::i32s(std::vector<std::int32_t>(vocab.size(), kTokenNormal)));
+  md.set("tokenizer.ggml.add_bos_token", GGUFValue::of_bool(false));
+  md.set("tokenizer.ggml.add_eos_token", GGUFValue::of_bool(false));
+  md.set("tokenizer.ggml.add_space_prefix", GGUFValue::of_bool(false));
+}
+
+// The token types of a BPE vocabulary: USER_DEFINED for the added ids, NORMAL for the rest.
+std::vector<std::int32_t> bpe_token_types(const GGUFVocab& v, const char* op) {
+  std::vector<std::int32_t> types(v.tokens.size(), kTokenNormal);
+  for (std::size_t i = 0; i < v.added.size(); ++i) {
+    const std::int32_t id = v.added[i];
+    if (id < 0 || static_cast<std::size_t>(id) >= v.tokens.size() || (i > 0 && id <= v.added[i - 1]))
+      fail(op, "added token id ", id, " is outside [0, ", v.tokens.size(), ") or not ascending");
+    types[static_cast<std::size_t>(id)] = kTokenUserDefined;
+  }
+  return types;
+}
+
+// Every token non-empty; every merge "left right" (llama.cpp splits at the first space after the
+// first byte) of two ordinary tokens whose concatenation is a token. Byte-level text has no
+// space: the space byte is U+0120.
+void check_bpe(const GGUFVocab& v, const std::vector<std::int32_t>& types, const char* op) {
+  std::map<std::string, std::int32_t> type_of;
+  for (std::size_t i = 0; i < v.tokens.size(); ++i) {
+    if (v.tokens[i].empty()) fail(op, "BPE token ", i, " is empty");
+    type_of.emplace(v.tokens[i], types[i]);
+  }
+  auto ordinary = [&](const std::string& t) {
+    const auto it = type_of.find(t);
+    return it != type_of.end() && it->second == kTokenNormal;
+  };
+  for (std::size_t r = 0; r < v.merges.size(); ++r) {
+    const std::string& m = v.merges[r];
+    const std::size_t sp = m.find(' ', 1);
+    const std::string left = m.substr(0, sp), right = sp == std::string::npos ? "" : m.substr(sp + 1);
+    if (sp == std::string::npos || !ordinary(left) || !ordinary(right) || !ordinary(left + right))
+      fail(op, "BPE merge ", r, " ('", m, "') is not two tokens joined by a space that make a token");
+  }
+}
+
+void add_bpe_tokenizer(GGUFMetadata& md, const GGUFVocab& v) {
+  std::vector<std::int32_t> types = bpe_token_types(v, "to_gguf");
+  check_bpe(v, types, "to_gguf");
+  md.set("tokenizer.ggml.model", GGUFValue::of_string("gpt2"));
+  md.set("tokenizer.ggml.pre", GGUFValue::of_string("gpt-2"));
+  md.set("tokenizer.ggml.tokens", GGUFValue::strings(v.tokens));
+  md.set("tokenizer.ggml.token_type", GGUFValue::i32s(types));
+  md.set("tokenizer.ggml.merges", GGUFValue::strings(v.merges));
   md.set("tokenizer.ggml.add_bos_token", GGUFValue::of_bool(false));
   md.set("tokenizer.ggml.add_eos_token", GGUFValue::of_bool(false));
   md.set("tokenizer.ggml.add_space_prefix", GGUFValue::of_bool(false));
@@ -151,22 +200,50 @@ std::string gguf_unsupported_reason(const GPTConfig& cfg) {
   return "unknown norm";
 }
 
+GGUFVocab GGUFVocab::characters(std::vector<std::string> vocab) {
+  GGUFVocab v;
+  v.tokens = std::move(vocab);
+  return v;
+}
+
+GGUFVocab GGUFVocab::bpe(std::vector<std::string> tokens, std::vector<std::string> merges, std::vector<std::int32_t> added) {
+  GGUFVocab v;
+  v.model = "gpt2";
+  v.tokens = std::move(tokens);
+  v.merges = std::move(merges);
+  v.added = std::move(added);
+  return v;
+}
+
 GGUFFile to_gguf(const GPT& model, const std::vector<std::string>& vocab, const GGUFExportOptions& options) {
+  return to_gguf(model, GGUFVocab::characters(vocab), options);
+}
+
+GGUFFile to_gguf(const GPT& model, const GGUFVocab& vocab, const GGUFExportOptions& options) {
   const GPTConfig& c = model.config();
   if (const std::string why = gguf_unsupported_reason(c); !why.empty()) fail("to_gguf", why);
   if (options.dtype != float32 && options.dtype != bfloat16)
     fail("to_gguf", "dtype must be float32 or bfloat16, got ", options.dtype);
-  if (static_cast<std::int64_t>(vocab.size()) != c.vocab_size)
-    fail("to_gguf", "the vocabulary has ", vocab.size(), " tokens but the model ", c.vocab_size);
+  if (vocab.model != "llama" && vocab.model != "gpt2")
+    fail("to_gguf", "the tokenizer model must be \"llama\" (characters) or \"gpt2\" (BPE), got \"", vocab.model, "\"");
+  if (static_cast<std::int64_t>(vocab.tokens.size()) != c.vocab_size)
+    fail("to_gguf", "the vocabulary has ", vocab.tokens.size(), " tokens but the model ", c.vocab_size);
   GGUFFile f;
   f.metadata = model_metadata(c, options);
-  add_tokenizer(f.metadata, vocab);
+  if (vocab.is_bpe())
+    add_bpe_tokenizer(f.metadata, vocab);
+  else
+    add_char_tokenizer(f.metadata, vocab.tokens);
   f.tensors = model_tensors(model, options.dtype);
   return f;
 }
 
 void save_gguf_model(const std::string& path, const GPT& model, const std::vector<std::string>& vocab,
                      const GGUFExportOptions& options) {
+  save_gguf_model(path, model, GGUFVocab::characters(vocab), options);
+}
+
+void save_gguf_model(const std::string& path, const GPT& model, const GGUFVocab& vocab, const GGUFExportOptions& options) {
   const GGUFFile f = to_gguf(model, vocab, options);
   save_gguf(path, f.tensors, f.metadata);
 }
@@ -219,14 +296,38 @@ GPTConfig read_config(const GGUFMetadata& md, const std::string& what) {
   return c;
 }
 
-std::vector<std::string> read_vocab(const GGUFMetadata& md, const std::string& what) {
+// A gpt2 tokenizer: GPT-2's pre-tokenizer, tokens, merges and the ids typed USER_DEFINED.
+GGUFVocab read_bpe_vocab(const GGUFMetadata& md, const std::string& what) {
+  if (const GGUFValue* pre = md.find("tokenizer.ggml.pre"); pre && pre->as_string(what + ": tokenizer.ggml.pre") != "gpt-2")
+    fail(what.c_str(), "tokenizer.ggml.pre is \"", pre->as_string(""), "\"; tapegrad's BPE splits text as GPT-2 (\"gpt-2\")");
+  const GGUFValue* merges = md.find("tokenizer.ggml.merges");
+  if (!merges) fail(what.c_str(), "no metadata 'tokenizer.ggml.merges' (a gpt2 tokenizer needs its merges)");
+  GGUFVocab v = GGUFVocab::bpe(md.at("tokenizer.ggml.tokens").as_strings(what + ": tokenizer.ggml.tokens"),
+                               merges->as_strings(what + ": tokenizer.ggml.merges"));
+  if (const GGUFValue* types = md.find("tokenizer.ggml.token_type")) {
+    if (types->size() != v.tokens.size())
+      fail(what.c_str(), "tokenizer.ggml.token_type has ", types->size(), " entries for ", v.tokens.size(), " tokens");
+    for (std::size_t i = 0; i < v.tokens.size(); ++i) {
+      const std::int64_t t = types->item(i, what + ": tokenizer.ggml.token_type").as_int(what + ": tokenizer.ggml.token_type");
+      if (t != kTokenNormal && t != kTokenUserDefined)
+        fail(what.c_str(), "token ", i, " has type ", t, "; tapegrad's BPE has normal (1) and added (4) tokens only");
+      if (t == kTokenUserDefined) v.added.push_back(static_cast<std::int32_t>(i));
+    }
+  }
+  check_bpe(v, bpe_token_types(v, what.c_str()), what.c_str());
+  return v;
+}
+
+GGUFVocab read_vocab(const GGUFMetadata& md, const std::string& what) {
   const GGUFValue* model = md.find("tokenizer.ggml.model");
-  if (!model || model->as_string(what + ": tokenizer.ggml.model") != "llama")
-    fail(what.c_str(), "tokenizer.ggml.model is not \"llama\" (a character vocabulary)");
+  const std::string name = model ? model->as_string(what + ": tokenizer.ggml.model") : "";
+  if (name == "gpt2") return read_bpe_vocab(md, what);
+  if (name != "llama")
+    fail(what.c_str(), "tokenizer.ggml.model is not \"llama\" (a character vocabulary) or \"gpt2\" (a byte-level BPE)");
   std::vector<std::string> vocab = md.at("tokenizer.ggml.tokens").as_strings(what + ": tokenizer.ggml.tokens");
   for (std::string& t : vocab)
     if (t == kSpace) t = " ";
-  return vocab;
+  return GGUFVocab::characters(std::move(vocab));
 }
 
 // The tensor `name`, as float32, with the shape tapegrad expects.
@@ -265,7 +366,7 @@ GGUFModel from_gguf(const GGUFFile& file, const std::string& what) {
   GGUFModel m;
   m.config = read_config(file.metadata, what);
   m.vocab = read_vocab(file.metadata, what);
-  m.config.vocab_size = static_cast<std::int64_t>(m.vocab.size());
+  m.config.vocab_size = static_cast<std::int64_t>(m.vocab.tokens.size());
   m.config.validate();
   m.state_dict = read_tensors(file.tensors, m.config, what);
   return m;

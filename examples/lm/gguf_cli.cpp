@@ -1,7 +1,9 @@
 #include "lm/gguf_cli.h"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <tapegrad/nn/gguf_export.h>
+#include <tapegrad/text/byte_level.h>
 
 #include "lm/checkpoint.h"
 
@@ -11,10 +13,31 @@ using namespace tg;
 
 namespace {
 
-std::vector<std::string> characters(const Corpus& vocab) {
-  std::vector<std::string> out;
-  for (char32_t c : vocab.chars.vocab()) out.push_back(encode_utf8(c));
-  return out;
+// The corpus's tokenizer as the GGUF writes it: its characters, or its BPE tokens and merges in
+// GPT-2's byte-level text (as tokenizer.json spells them), added tokens as they are.
+nn::GGUFVocab gguf_vocab(const Corpus& corpus) {
+  if (!corpus.bpe) {
+    std::vector<std::string> chars;
+    for (char32_t c : corpus.chars.vocab()) chars.push_back(encode_utf8(c));
+    return nn::GGUFVocab::characters(std::move(chars));
+  }
+  const text::BpeTokenizer& bpe = *corpus.bpe;
+  std::vector<bool> is_added(static_cast<std::size_t>(bpe.vocab_size()), false);
+  std::vector<std::int32_t> added;
+  for (const text::AddedToken& a : bpe.added_tokens()) added.push_back(a.id);
+  std::sort(added.begin(), added.end());
+  for (std::int32_t id : added) is_added[static_cast<std::size_t>(id)] = true;
+  std::vector<std::string> tokens, merges;
+  for (std::int32_t id = 0; id < bpe.vocab_size(); ++id)
+    tokens.emplace_back(is_added[static_cast<std::size_t>(id)] ? std::string(bpe.token(id)) : text::to_byte_level(bpe.token(id)));
+  for (const auto& [l, r] : bpe.merges())
+    merges.push_back(tokens[static_cast<std::size_t>(l)] + " " + tokens[static_cast<std::size_t>(r)]);
+  return nn::GGUFVocab::bpe(std::move(tokens), std::move(merges), std::move(added));
+}
+
+std::string describe(const nn::GGUFVocab& v) {
+  return v.is_bpe() ? "a BPE of " + std::to_string(v.tokens.size()) + " tokens and " + std::to_string(v.merges.size()) + " merges"
+                    : std::to_string(v.tokens.size()) + " characters";
 }
 
 }  // namespace
@@ -54,7 +77,7 @@ std::string export_run_gguf(const std::string& run_dir, const GGUFOptions& o) {
   nn::GPT model(r.model);
   model.load_state_dict(weights);
   const DType dtype = o.dtype == "bf16" ? bfloat16 : float32;
-  const std::vector<std::string> vocab = characters(vocabulary_only(ck.meta["vocab"]));
+  const nn::GGUFVocab vocab = gguf_vocab(vocabulary_only(ck.meta["vocab"]));
   nn::save_gguf_model(o.export_file, model, vocab, {dtype, "tapegrad " + run_dir});
   return "wrote " + o.export_file + " (llama.cpp llama arch, " + o.dtype + ", step " + ck.meta["step"] + " of " +
          run_dir + ")";
@@ -62,9 +85,11 @@ std::string export_run_gguf(const std::string& run_dir, const GGUFOptions& o) {
 
 void init_from_gguf(nn::GPT& model, const std::string& file, const Corpus& corpus) {
   const nn::GGUFModel m = nn::load_gguf_model(file);
-  if (m.vocab != characters(corpus))
-    fail("--init-from", "the corpus '", corpus.path, "' has a different vocabulary from '", file, "' (",
-         corpus.chars.vocab().size(), " characters against ", m.vocab.size(), " tokens)");
+  const nn::GGUFVocab mine = gguf_vocab(corpus);
+  if (mine != m.vocab)
+    fail("--init-from", "the corpus '", corpus.path, "' (in the run's tokenizer) has a different vocabulary from '", file,
+         "' (", describe(mine), " against ", describe(m.vocab),
+         m.vocab.is_bpe() ? "; give the run the file's tokenizer: --tokenizer RUN/tokenizer.json)" : ")");
   model.load_state_dict(m.state_dict);  // refuses a configuration that differs, naming the tensors
 }
 

@@ -1,6 +1,8 @@
 # train_lm's GGUF commands: --resume DIR --export-gguf FILE [--gguf-dtype], --init-from FILE.gguf.
 #   - a llama RMSNorm run exports (F32 and BF16), and a new run started from the F32 file
 #     (--init-from, --steps 0) has the same logits to the bit (dump_logits' output files are equal);
+#     likewise a BPE run (--tokenizer bpe), started again with its tokenizer.json; the BPE file
+#     with the character tokens of the same corpus is refused;
 #   - pRMSNorm, BatchNorm, none, a LayerNorm llama and the gpt arch are refused with one line and
 #     exit code 2, and nothing is left in the output directory;
 #   - misused options and a corpus of another vocabulary are one error line and exit code 2.
@@ -70,6 +72,28 @@ if(NOT before STREQUAL after OR before STREQUAL rounded)
                       "the BF16 one other logits (${rounded})")
 endif()
 message(STATUS "--init-from llama.gguf: logits equal bit for bit")
+
+# A BPE run: its tokens and merges are written, and a run with the same tokenizer starts from the file.
+train(bpe --arch llama --norm rmsnorm --tokenizer bpe --vocab-size 270)
+expect_ok(--resume ${WORK_DIR}/bpe --export-gguf ${WORK_DIR}/bpe.gguf)
+expect_ok(${tiny} --init-from ${WORK_DIR}/bpe.gguf --tokenizer ${WORK_DIR}/bpe/tokenizer.json --steps 0
+          --out ${WORK_DIR}/from_bpe)
+foreach(run bpe from_bpe)
+  execute_process(COMMAND ${DUMP_LOGITS} ${WORK_DIR}/${run}/model.safetensors 3,1,4,1,5,9,265,269 ${WORK_DIR}/${run}.logits
+                  RESULT_VARIABLE rc ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "dump_logits ${run}: ${err}")
+  endif()
+endforeach()
+file(SHA256 ${WORK_DIR}/bpe.logits before)
+file(SHA256 ${WORK_DIR}/from_bpe.logits after)
+if(NOT before STREQUAL after)
+  message(FATAL_ERROR "--init-from bpe.gguf: the logits differ (${before} vs ${after})")
+endif()
+message(STATUS "--init-from bpe.gguf: logits equal bit for bit")
+set(LAST_LINE ON)
+expect_refusal("different vocabulary.*characters against a BPE of 270 tokens and 14 merges" ${tiny} --init-from ${WORK_DIR}/bpe.gguf)
+set(LAST_LINE OFF)
 
 # Refusals: nothing llama.cpp cannot run is written.
 foreach(case "prmsnorm;partial RMSNorm" "batchnorm;no BatchNorm" "none;always normalises" "layernorm;LayerNorm llama")

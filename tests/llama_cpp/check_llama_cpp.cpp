@@ -11,6 +11,10 @@
 //     of the twin, so that the difference from float32 is the rounding. The twin does not match
 //     to 1e-4: an activation whose float32 value sits near a bfloat16 rounding boundary can round
 //     one bfloat16 step (2^-8 relative) apart after sums taken in another order.
+// Then the same model trained on byte-level BPE tokens (train_lm --tokenizer bpe --vocab-size 300),
+// exported in F32 as llama.cpp's gpt2 tokenizer: the prompt must tokenize to tapegrad's BPE ids
+// (the encode of tapegrad::text), and the F32 probabilities and 64 greedy tokens must agree as
+// above.
 // Exit 77 with a one-line reason when node (>= 20) or the package is absent.
 //   check_llama_cpp TRAIN_LM NPM_DIR SCRIPT CORPUS WORK_DIR
 #include <algorithm>
@@ -148,11 +152,11 @@ bool check_f32(Model& m, const std::vector<std::int32_t>& prompt, const json& r)
     same += argmax == r.at("steps").at(s).at("token").get<std::int32_t>();
   }
   std::ostringstream w;
-  w << "F32: max |p_llama.cpp - p_tapegrad| over " << kSteps << " steps x " << m.vocab.vocab_size()
+  w << (m.vocab.bpe ? "BPE " : "") << "F32: max |p_llama.cpp - p_tapegrad| over " << kSteps << " steps x " << m.vocab.vocab_size()
     << " tokens = " << worst << " (tolerance " << kTol << ")";
   bool ok = check(worst <= kTol, w.str());
   const std::string text = escaped(m.vocab.decode(context_at({}, r.at("steps"), kSteps)));
-  ok &= check(same == kSteps, "F32: greedy continuation identical for " + std::to_string(same) + " of " +
+  ok &= check(same == kSteps, std::string(m.vocab.bpe ? "BPE " : "") + "F32: greedy continuation identical for " + std::to_string(same) + " of " +
                                   std::to_string(kSteps) + " tokens: " + text);
   return ok;
 }
@@ -180,32 +184,50 @@ bool check_bf16(Model& m, const fs::path& gguf, const std::vector<std::int32_t>&
   return check(vs_twin <= rounding / 2, b.str()) && ok;
 }
 
-int run_checks(const Paths& p) {
-  fs::remove_all(p.work);
-  fs::create_directories(p.work);
-  const fs::path dir = p.work / "run";
+// train_lm on the corpus into dir (extra: the tokenizer options), then --export-gguf of each
+// dtype into dir/<dtype>.gguf. Throws with the exit status when a command fails.
+void train_and_export(const Paths& p, const fs::path& dir, const std::string& extra,
+                      const std::vector<std::string>& dtypes) {
   int rc = 0;
   run(quote(p.train_lm) + " --data " + quote(p.corpus) + " --arch llama --norm rmsnorm --n-layer 2 --n-head 2 --n-embd 32" +
           " --block-size 96 --batch-size 8 --steps 800 --lr 1e-2 --min-lr 1e-3 --warmup 20 --eval-interval 800" +
-          " --eval-iters 1 --threads 1 --quiet --out " +
-          quote(dir.string()) + " >/dev/null 2>&1", &rc);
-  if (rc != 0) return std::cerr << "train_lm failed (exit " << rc << ")\n", 1;
-  for (const char* dtype : {"f32", "bf16"}) {
+          " --eval-iters 1 --threads 1 --quiet " + extra + " --out " + quote(dir.string()) + " >/dev/null 2>&1",
+      &rc);
+  if (rc != 0) throw std::runtime_error("train_lm " + extra + " failed (exit " + std::to_string(rc) + ")");
+  for (const std::string& dtype : dtypes) {
     run(quote(p.train_lm) + " --resume " + quote(dir.string()) + " --export-gguf " +
-            quote((p.work / (std::string(dtype) + ".gguf")).string()) + " --gguf-dtype " + dtype + " 2>&1", &rc);
-    if (rc != 0) return std::cerr << "train_lm --export-gguf failed (exit " << rc << ")\n", 1;
+            quote((dir / (dtype + ".gguf")).string()) + " --gguf-dtype " + dtype + " 2>&1", &rc);
+    if (rc != 0) throw std::runtime_error("train_lm --export-gguf failed (exit " + std::to_string(rc) + ")");
   }
+}
+
+// The prompt in llama.cpp's tokens against tapegrad's, and back to text.
+bool check_prompt(const std::vector<std::int32_t>& prompt, const json& r, const std::string& kind) {
+  bool ok = check(r.at("tokens").get<std::vector<std::int32_t>>() == prompt,
+                  kind + ": the prompt tokenizes to tapegrad's " + std::to_string(prompt.size()) + " ids");
+  std::string pieces;
+  for (const auto& piece : r.at("pieces")) pieces += piece.get<std::string>();
+  return check(pieces == kPrompt, kind + ": and its tokens detokenize to the prompt: " + escaped(pieces)) && ok;
+}
+
+int run_checks(const Paths& p) {
+  fs::remove_all(p.work);
+  fs::create_directories(p.work);
+  std::ofstream(p.work / "prompt.txt") << kPrompt;
+  const fs::path dir = p.work / "run", bpe_dir = p.work / "bpe";
+  train_and_export(p, dir, "", {"f32", "bf16"});
   Model m = load_run(dir);
   const std::vector<std::int32_t> prompt = m.vocab.encode(kPrompt);
-  std::ofstream(p.work / "prompt.txt") << kPrompt;
-  const json f32 = llama_cpp(p, (p.work / "f32.gguf").string());
-  bool ok = check(f32.at("tokens").get<std::vector<std::int32_t>>() == prompt,
-                  "the prompt tokenizes to tapegrad's " + std::to_string(prompt.size()) + " ids");
-  std::string pieces;
-  for (const auto& piece : f32.at("pieces")) pieces += piece.get<std::string>();
-  ok &= check(pieces == kPrompt, "and its tokens detokenize to the prompt: " + escaped(pieces));
+  const json f32 = llama_cpp(p, (dir / "f32.gguf").string());
+  bool ok = check_prompt(prompt, f32, "characters");
   ok &= check_f32(m, prompt, f32);
-  ok &= check_bf16(m, p.work / "bf16.gguf", prompt, llama_cpp(p, (p.work / "bf16.gguf").string()));
+  ok &= check_bf16(m, dir / "bf16.gguf", prompt, llama_cpp(p, (dir / "bf16.gguf").string()));
+  train_and_export(p, bpe_dir, "--tokenizer bpe --vocab-size 300", {"f32"});
+  Model b = load_run(bpe_dir);
+  const std::vector<std::int32_t> bpe_prompt = b.vocab.encode(kPrompt);
+  const json bpe = llama_cpp(p, (bpe_dir / "f32.gguf").string());
+  ok &= check_prompt(bpe_prompt, bpe, "BPE");
+  ok &= check_f32(b, bpe_prompt, bpe);
   return ok ? 0 : 1;
 }
 

@@ -165,7 +165,7 @@ TEST_CASE("a GGUF written by tapegrad loads back to the same logits bit for bit 
   nn::save_gguf_model(path.string(), a, kVocab);
   const nn::GGUFModel back = nn::load_gguf_model(path.string());
   fs::remove(path);
-  CHECK(back.vocab == kVocab);
+  CHECK(back.vocab == nn::GGUFVocab::characters(kVocab));
   CHECK(back.config.n_layer == 2);
   CHECK(back.config.eps == 1e-5);  // the exact double, from tapegrad.norm_eps
   manual_seed(99);
@@ -173,6 +173,72 @@ TEST_CASE("a GGUF written by tapegrad loads back to the same logits bit for bit 
   b.load_state_dict(back.state_dict);
   for (const auto& [k, t] : a.state_dict()) CHECK(bit_equal(t, b.state_dict().at(k)));
   CHECK(bit_equal(logits_of(a), logits_of(b)));
+}
+
+// A byte-level BPE: the bytes a, b and space (U+0120 in GPT-2's byte-level text), two merges and
+// one added token.
+nn::GGUFVocab tiny_bpe() {
+  return nn::GGUFVocab::bpe({"a", "b", "\xc4\xa0", "ab", "\xc4\xa0" "ab", "<|end|>"}, {"a b", "\xc4\xa0 ab"}, {5});
+}
+
+TEST_CASE("a BPE vocabulary is written as llama.cpp's gpt2 tokenizer: tokens, merges, types, no special tokens", "[gguf]") {
+  manual_seed(5);
+  nn::GPT m(tiny_llama());
+  const GGUFFile f = nn::to_gguf(m, tiny_bpe());
+  const GGUFMetadata& md = f.metadata;
+  CHECK(md.at("tokenizer.ggml.model").as_string("") == "gpt2");
+  CHECK(md.at("tokenizer.ggml.pre").as_string("") == "gpt-2");
+  CHECK(md.at("tokenizer.ggml.tokens").as_strings("") == tiny_bpe().tokens);
+  CHECK(md.at("tokenizer.ggml.merges").as_strings("") == std::vector<std::string>{"a b", "\xc4\xa0 ab"});
+  const GGUFValue& types = md.at("tokenizer.ggml.token_type");
+  REQUIRE(types.size() == 6);
+  for (std::size_t i = 0; i < 6; ++i) CHECK(types.item(i, "").as_int("") == (i == 5 ? 4 : 1));
+  for (const char* k : {"tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_space_prefix"})
+    CHECK_FALSE(md.at(k).as_bool(k));
+  for (const char* k : {"tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.scores"})
+    CHECK_FALSE(md.contains(k));
+  const nn::GGUFModel back = nn::from_gguf(from_gguf_bytes(to_gguf_bytes(f.tensors, f.metadata)));
+  CHECK(back.vocab == tiny_bpe());
+  CHECK(back.config.vocab_size == 6);
+}
+
+TEST_CASE("a BPE vocabulary that llama.cpp would read otherwise is refused, on export and import", "[gguf]") {
+  nn::GPT m(tiny_llama());
+  nn::GGUFVocab v = tiny_bpe();
+  v.merges[1] = "a \xc4\xa0";
+  REQUIRE_TG_ERROR(nn::to_gguf(m, v), "to_gguf: ", "BPE merge 1 ('a \xc4\xa0') is not two tokens");
+  v = tiny_bpe();
+  v.merges[0] = "ab";
+  REQUIRE_TG_ERROR(nn::to_gguf(m, v), "BPE merge 0 ('ab')");
+  v = tiny_bpe();
+  v.merges[0] = "a <|end|>";  // an added token is matched whole, never merged
+  REQUIRE_TG_ERROR(nn::to_gguf(m, v), "BPE merge 0");
+  v = tiny_bpe();
+  v.added = {6};
+  REQUIRE_TG_ERROR(nn::to_gguf(m, v), "added token id 6 is outside [0, 6)");
+  v = tiny_bpe();
+  v.tokens[2] = "";
+  REQUIRE_TG_ERROR(nn::to_gguf(m, v), "BPE token 2 is empty");
+  v = tiny_bpe();
+  v.model = "bert";
+  REQUIRE_TG_ERROR(nn::to_gguf(m, v), "\"bert\"");
+  const GGUFFile good = nn::to_gguf(m, tiny_bpe());
+  auto with = [&](const std::string& key, GGUFValue val) {
+    GGUFFile f = good;
+    f.metadata.set(key, std::move(val));
+    return f;
+  };
+  REQUIRE_TG_ERROR(nn::from_gguf(with("tokenizer.ggml.pre", GGUFValue::of_string("llama3"))), "pre is \"llama3\"");
+  REQUIRE_TG_ERROR(nn::from_gguf(with("tokenizer.ggml.model", GGUFValue::of_string("bert"))), "tokenizer.ggml.model");
+  REQUIRE_TG_ERROR(nn::from_gguf(with("tokenizer.ggml.token_type", GGUFValue::i32s({1, 1, 1, 1, 1, 3}))),
+                   "token 5 has type 3");
+  REQUIRE_TG_ERROR(nn::from_gguf(with("tokenizer.ggml.token_type", GGUFValue::i32s({1, 1}))), "2 entries for 6 tokens");
+  REQUIRE_TG_ERROR(nn::from_gguf(with("tokenizer.ggml.merges", GGUFValue::strings({"b a"}))), "BPE merge 0 ('b a')");
+  GGUFFile no_merges;
+  for (const auto& [k, val] : good.metadata)
+    if (k != "tokenizer.ggml.merges") no_merges.metadata.set(k, val);
+  no_merges.tensors = good.tensors;
+  REQUIRE_TG_ERROR(nn::from_gguf(no_merges), "no metadata 'tokenizer.ggml.merges'");
 }
 
 TEST_CASE("a BF16 export rounds the matrices to bfloat16 and keeps the norm gains float32", "[gguf]") {
@@ -238,7 +304,7 @@ TEST_CASE("importing a GGUF refuses what tapegrad's llama cannot hold, naming th
   REQUIRE_TG_ERROR(nn::from_gguf(with("llama.block_count", GGUFValue::of_string("2"))), "llama.block_count", "STRING");
   REQUIRE_TG_ERROR(nn::from_gguf(with("llama.block_count", GGUFValue::of_u32(3))), "no tensor 'blk.2.attn_norm.weight'");
   REQUIRE_TG_ERROR(nn::from_gguf(with("llama.embedding_length", GGUFValue::of_u32(0))), "out of range");
-  REQUIRE_TG_ERROR(nn::from_gguf(with("tokenizer.ggml.model", GGUFValue::of_string("gpt2"))), "tokenizer.ggml.model");
+  REQUIRE_TG_ERROR(nn::from_gguf(with("tokenizer.ggml.model", GGUFValue::of_string("gpt2"))), "no metadata 'tokenizer.ggml.merges'");
   GGUFFile wrong = good;
   wrong.tensors.insert("blk.0.attn_q.weight", zeros({8, 4}));
   REQUIRE_TG_ERROR(nn::from_gguf(wrong), "tensor 'blk.0.attn_q.weight' is (8, 4), the model needs (8, 8)");
