@@ -40,6 +40,9 @@ namespace {
 constexpr int kSteps = 64;
 constexpr double kTol = 1e-4;
 const char* const kPrompt = "ROMEO:\nI will";  // + 64 tokens within the context of 96
+// Words, punctuation, a contraction and new lines, so that GPT-2's pre-tokenizer cuts it in
+// several ways and many of the merges apply: 30 tokens with a BPE of 300, + 64 within the context of 96.
+const char* const kBpePrompt = "ROMEO:\nI will not, and thou shalt be the king's.";
 
 struct Paths {
   std::string train_lm, npm, script, corpus;
@@ -97,10 +100,10 @@ double max_diff(const std::vector<double>& a, const json& b) {
   return b.size() == a.size() ? m : INFINITY;
 }
 
-json llama_cpp(const Paths& p, const std::string& model) {
+json llama_cpp(const Paths& p, const std::string& model, const std::string& prompt_file = "prompt.txt") {
   int rc = 0;
   const std::string out = run("node " + quote(p.script) + " " + quote(p.npm) + " " + quote(model) + " " +
-                                  quote((p.work / "prompt.txt").string()) + " " + std::to_string(kSteps),
+                                  quote((p.work / prompt_file).string()) + " " + std::to_string(kSteps),
                               &rc);
   if (rc != 0) throw std::runtime_error("node-llama-cpp failed on " + model + " (exit " + std::to_string(rc) + ")");
   return json::parse(out);
@@ -202,31 +205,34 @@ void train_and_export(const Paths& p, const fs::path& dir, const std::string& ex
 }
 
 // The prompt in llama.cpp's tokens against tapegrad's, and back to text.
-bool check_prompt(const std::vector<std::int32_t>& prompt, const json& r, const std::string& kind) {
+bool check_prompt(const std::string& text, const std::vector<std::int32_t>& prompt, const json& r, const std::string& kind) {
+  const auto merged = std::count_if(prompt.begin(), prompt.end(), [](std::int32_t id) { return id >= 256; });
   bool ok = check(r.at("tokens").get<std::vector<std::int32_t>>() == prompt,
-                  kind + ": the prompt tokenizes to tapegrad's " + std::to_string(prompt.size()) + " ids");
+                  kind + ": the prompt tokenizes to tapegrad's " + std::to_string(prompt.size()) + " ids" +
+                      (kind == "BPE" ? " (" + std::to_string(merged) + " of them made by merges)" : ""));
   std::string pieces;
   for (const auto& piece : r.at("pieces")) pieces += piece.get<std::string>();
-  return check(pieces == kPrompt, kind + ": and its tokens detokenize to the prompt: " + escaped(pieces)) && ok;
+  return check(pieces == text, kind + ": and its tokens detokenize to the prompt: " + escaped(pieces)) && ok;
 }
 
 int run_checks(const Paths& p) {
   fs::remove_all(p.work);
   fs::create_directories(p.work);
   std::ofstream(p.work / "prompt.txt") << kPrompt;
+  std::ofstream(p.work / "bpe_prompt.txt") << kBpePrompt;
   const fs::path dir = p.work / "run", bpe_dir = p.work / "bpe";
   train_and_export(p, dir, "", {"f32", "bf16"});
   Model m = load_run(dir);
   const std::vector<std::int32_t> prompt = m.vocab.encode(kPrompt);
   const json f32 = llama_cpp(p, (dir / "f32.gguf").string());
-  bool ok = check_prompt(prompt, f32, "characters");
+  bool ok = check_prompt(kPrompt, prompt, f32, "characters");
   ok &= check_f32(m, prompt, f32);
   ok &= check_bf16(m, dir / "bf16.gguf", prompt, llama_cpp(p, (dir / "bf16.gguf").string()));
   train_and_export(p, bpe_dir, "--tokenizer bpe --vocab-size 300", {"f32"});
   Model b = load_run(bpe_dir);
-  const std::vector<std::int32_t> bpe_prompt = b.vocab.encode(kPrompt);
-  const json bpe = llama_cpp(p, (bpe_dir / "f32.gguf").string());
-  ok &= check_prompt(bpe_prompt, bpe, "BPE");
+  const std::vector<std::int32_t> bpe_prompt = b.vocab.encode(kBpePrompt);
+  const json bpe = llama_cpp(p, (bpe_dir / "f32.gguf").string(), "bpe_prompt.txt");
+  ok &= check_prompt(kBpePrompt, bpe_prompt, bpe, "BPE");
   ok &= check_f32(b, bpe_prompt, bpe);
   return ok ? 0 : 1;
 }
