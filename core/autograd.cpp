@@ -243,6 +243,9 @@ bool reached(const Node& n, std::uint64_t mark) {
   return false;
 }
 
+// The reverse walk: from the root's node back to the start of the tape, each node reached reads
+// its outputs' gradients and passes its inputs' to the tape. An output's gradient is dead once its node has
+// run (PyTorch keeps only leaves' and retained ones), and so is the node unless kept. A hooked
 // leaf's hook fires as soon as the walk has passed the last node that adds into it.
 void walk(Tape& tp, std::int64_t from, std::uint64_t mark, bool keep_tape, std::vector<detail::DueHook>& hooks) {
   NoGradGuard no_record;  // backward kernels must not append to the tape they walk

@@ -121,9 +121,5 @@ void fire_hooks(std::vector<DueHook>::iterator& next, std::vector<DueHook>::iter
     if (next->leaf->grad.defined()) next->fn(next->leaf->grad.get());
 }
 
-// The reverse walk: from the root's node back to the start of the tape, each node reached reads
-// its outputs' gradients and writes its inputs'. An output's gradient is dead once its node has
-// run (PyTorch keeps only leaves' and retained ones), and so is the node unless kept. A hooked
-
 }  // namespace detail
 }  // namespace tg

@@ -1,14 +1,16 @@
 #pragma once
 // Normalisation kernels, forward and backward side by side: for each row, plain loops over its
 // features. The gradients: Zhang & Sennrich, "Root Mean Square Layer Normalization" (NeurIPS
-// 2019), section 4. Per row of n features (C in the code): a = input, g = gain, b = bias, dy =
-// upstream gradient. Statistics accumulate in double whatever T is; variances are two-pass (mean,
+// 2019), section 4. Per row of n features (C in the code): a = the input (x in the code), g = gain,
+// b = bias, dy = upstream gradient. Statistics accumulate in double whatever T is; variances are two-pass (mean,
 // then squared deviations: E[a^2] - E[a]^2 cancels catastrophically); the forward saves each row's
 // statistic for the backward. g, b and any unwanted gradient may be null. Every gradient is
 // written (=), never added: the tape adds it to one already there (tapegrad/node.h).
 //
 // These loops are the reference: the ops run the same math blocked, threaded and vectorised
 // (kernels/norms_fast.h, rms_avx2.h), held equal to these by tests/core/test_norm_kernels.cpp.
+// RMSNorm comes first and is the one the learner's path follows; LayerNorm, BatchNorm and weight
+// norm below have the same shape.
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -16,7 +18,8 @@
 namespace tg::kernels {
 
 // ---- RMSNorm (k = C) and partial RMSNorm (k < C): the statistic uses the first k features,
-//      r = sqrt(mean(a[0:k]^2) + eps), y = a / r g + b.   x, y (rows, C); rrms (rows) = 1 / r.
+//      r = sqrt(mean(a[0:k]^2) + eps), y = (a / r) g + b.   x, y (rows, C); rrms (rows) = 1 / r,
+//      the paper's rho (rr for one row).
 template <class T>
 void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::int64_t rows, std::int64_t C,
                       std::int64_t k, double eps) {
@@ -34,15 +37,16 @@ void rms_norm_forward(const T* x, const T* g, const T* b, T* y, T* rrms, std::in
 //   da_i = g_i dy_i / r  -  [i < k] a_i / (k r^3) sum_{j < n} g_j dy_j a_j
 // (every y_j is divided by r, so the sum runs over all n; only d r / d a_i is limited to i < k);
 //   dg = sum over rows of dy a / r;  db = sum over rows of dy.   dy, dx (rows, C); dg, db (C).
+// Derived step by step in docs/rmsnorm.md ("Backward, derived").
 template <class T>
 void rms_norm_backward(const T* x, const T* g, const T* rrms, const T* dy, T* dx, T* dg, T* db, std::int64_t rows,
                        std::int64_t C, std::int64_t k) {
   std::vector<double> sums(static_cast<std::size_t>(2 * C));
-  double *sum_g = sums.data(), *sum_b = sum_g + C;  // sum over rows of dy a / r, of dy
+  double *sum_g = sums.data(), *sum_b = sum_g + C;  // the gain's and bias's gradients, summed over rows
   for (std::int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * C;
     const T* dyr = dy + r * C;
-    const double rr = rrms[r];
+    const double rr = rrms[r];  // 1 / r
     double s = 0;  // sum_j g_j dy_j a_j
     for (std::int64_t j = 0; j < C; ++j) {
       s += static_cast<double>(dyr[j]) * (g ? g[j] : 1.0) * xr[j];

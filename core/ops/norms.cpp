@@ -8,7 +8,6 @@
 #include "dispatch.h"
 #include "kernels/norms_fast.h"
 #include "ops/internal.h"
-#include "ops/recompute.h"
 #include "tapegrad/autograd.h"
 #include "tapegrad/ops.h"
 

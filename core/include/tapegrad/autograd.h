@@ -5,9 +5,8 @@
 // Tape, in execution order. backward(loss) seeds d loss / d loss = 1 and walks the tape in
 // reverse: the order of execution is already a topological order, so no sort is needed. Each node
 // reads the gradients of its outputs and hands its inputs' gradients to the tape, which adds up
-// the parts that reach one tensor. The nodes
-// that led to the loss are then freed (their saved activations released), unless the caller keeps
-// them for a second backward; other graphs recorded on the same tape stay usable. Nodes that
+// the parts that reach one tensor. The nodes that led to the loss are then freed (their saved
+// activations released), unless the caller keeps them for a second backward; other graphs recorded on the same tape stay usable. Nodes that
 // nothing can reach any more (every output dropped, e.g. a forward pass made for evaluation
 // without a NoGradGuard) are freed by a sweep as the tape grows.
 #include <cstddef>

@@ -10,9 +10,9 @@
 //       struct Saved { Tensor x, w; };                   // what backward reads, by name
 //       record("my_op", {&x, &w}, {&y}, Saved{x.detach(), w.detach()},
 //              [N](Node& n, const Saved& s) {              // scalars are captured by value
-//                Tensor dx = n.new_grad(0), dw = n.new_grad(1);
+//                Tensor dx = n.new_grad(0), dw = n.new_grad(1);  // undefined if not needed
 //                kernels::my_op_backward(s.x.data<float>(), s.w.data<float>(), n.grad_out().data<float>(),
-//                                        dx.data<float>(), dw.data<float>(), N);  // writes dx, dw
+//                                        detail::grad_ptr<float>(dx), detail::grad_ptr<float>(dw), N);
 //                n.pass_grad(0, std::move(dx));            // the tape adds them up
 //                n.pass_grad(1, std::move(dw));
 //              });
@@ -20,10 +20,14 @@
 //     return y;
 //   }
 //
-// The one rule for gradients: a backward kernel writes a fresh gradient (dx = ...), and the tape
-// alone combines the parts that reach one tensor. Saved holds only Tensor fields (detached: a saved
-// tensor keeps its data, not its history); the node keeps them until its backward has run. An op
-// that saves nothing passes the closure alone: record(op, inputs, outputs, [](Node& n) { ... }).
+// The one rule for gradients: a backward kernel writes a fresh gradient (dx = ...; grad_ptr gives
+// null for an input that needs none, and the kernel skips it), and the tape alone combines the
+// parts that reach one tensor, in pass_grad. One exception saves a buffer: an elementwise op that
+// declares may_reuse_grad_out() may get dy's own buffer from new_grad and write dx over it.
+// Saved holds only Tensor fields (detached: a saved tensor keeps its data, not its history); the
+// node keeps them until its backward has run. The closure captures scalars, never a Tensor: a
+// tensor it needs goes in Saved, where the tape sees it (and the sweep can free it). An op that
+// saves nothing passes the closure alone: record(op, inputs, outputs, [](Node& n) { ... }).
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -37,7 +41,8 @@ namespace tg {
 class Node {
  public:
   // ---- what a backward closure uses ----
-  // dL/d(output j): the gradient that flowed into output j (undefined if none reached it).
+  // dL/d(output j): the gradient that flowed into output j. A node runs only when one of its
+  // outputs has one; an op with several outputs checks the others with defined().
   const Tensor& grad_out(std::size_t j = 0) const { return outputs()[j]->grad.get(); }
   // Whether input i needs a gradient at all (new_grad returns an undefined tensor when not).
   bool needs_grad(std::size_t i) const { return i < n_in_ && slots()[i] != nullptr; }

@@ -56,7 +56,9 @@ class Tensor {
   // Marks a floating-point leaf as a parameter whose gradient backward() accumulates. Returns *this.
   Tensor& requires_grad_(bool on = true);
   bool is_leaf() const;          // not produced by a recorded op
-  Tensor grad() const;           // undefined until a backward reaches this tensor
+  // dL/d(this tensor): a leaf's accumulates over backward() calls; a tensor made by an op keeps
+  // its gradient only with retain_grad(). Undefined until a backward reaches the tensor.
+  Tensor grad() const;
   void zero_grad();              // drops the gradient (PyTorch's set_to_none=True)
   // Keep this non-leaf tensor's gradient after backward (PyTorch's retain_grad()).
   void retain_grad();
