@@ -28,16 +28,18 @@ nn::GGUFVocab gguf_vocab(const Corpus& corpus) {
   std::sort(added.begin(), added.end());
   for (std::int32_t id : added) is_added[static_cast<std::size_t>(id)] = true;
   std::vector<std::string> tokens, merges;
-  for (std::int32_t id = 0; id < bpe.vocab_size(); ++id)
-    tokens.emplace_back(is_added[static_cast<std::size_t>(id)] ? std::string(bpe.token(id)) : text::to_byte_level(bpe.token(id)));
+  for (std::int32_t id = 0; id < bpe.vocab_size(); ++id) {
+    const std::string_view t = bpe.token(id);
+    tokens.emplace_back(is_added[static_cast<std::size_t>(id)] ? std::string(t) : text::to_byte_level(t));
+  }
   for (const auto& [l, r] : bpe.merges())
     merges.push_back(tokens[static_cast<std::size_t>(l)] + " " + tokens[static_cast<std::size_t>(r)]);
   return nn::GGUFVocab::bpe(std::move(tokens), std::move(merges), std::move(added));
 }
 
 std::string describe(const nn::GGUFVocab& v) {
-  return v.is_bpe() ? "a BPE of " + std::to_string(v.tokens.size()) + " tokens and " + std::to_string(v.merges.size()) + " merges"
-                    : std::to_string(v.tokens.size()) + " characters";
+  const std::string n = std::to_string(v.tokens.size());
+  return v.is_bpe() ? "a BPE of " + n + " tokens and " + std::to_string(v.merges.size()) + " merges" : n + " characters";
 }
 
 }  // namespace

@@ -6,7 +6,8 @@
 //       and no file is written);
 //   --init-from FILE.gguf
 //       a new run whose configuration (arch, norm, sizes, eps) and starting weights are the
-//       file's; the corpus must have the file's vocabulary.
+//       file's; the corpus must have the file's vocabulary: its characters, or for a BPE file
+//       (llama.cpp's gpt2 tokenizer) the run's tokenizer must have the file's tokens and merges.
 #include <string>
 
 #include "lm/trainer.h"
@@ -33,7 +34,8 @@ void settle_gguf_options(const GGUFOptions& o, const CLI::App& app, bool resumin
 std::string export_run_gguf(const std::string& run_dir, const GGUFOptions& o);
 
 // The weights of c.init_from into a freshly built model of c.model's configuration (the
-// Trainer's set-up); the corpus's vocabulary must be the file's.
+// Trainer's set-up); the corpus's vocabulary (characters, or BPE tokens and merges) must be the
+// file's.
 void init_from_gguf(tg::nn::GPT& model, const std::string& file, const Corpus& corpus);
 
 }  // namespace lm

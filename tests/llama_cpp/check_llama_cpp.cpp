@@ -159,7 +159,8 @@ bool check_f32(Model& m, const std::vector<std::int32_t>& prompt, const json& r)
     << " tokens = " << worst << " (tolerance " << kTol << ")";
   bool ok = check(worst <= kTol, w.str());
   const std::string text = escaped(m.vocab.decode(context_at({}, r.at("steps"), kSteps)));
-  ok &= check(same == kSteps, std::string(m.vocab.bpe ? "BPE " : "") + "F32: greedy continuation identical for " + std::to_string(same) + " of " +
+  const std::string kind = m.vocab.bpe ? "BPE " : "";
+  ok &= check(same == kSteps, kind + "F32: greedy continuation identical for " + std::to_string(same) + " of " +
                                   std::to_string(kSteps) + " tokens: " + text);
   return ok;
 }
