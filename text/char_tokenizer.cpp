@@ -9,10 +9,19 @@
 namespace tg::text {
 
 CharTokenizer CharTokenizer::from_text(std::string_view utf8) {
-  std::vector<char32_t> chars;
-  if (!decode_utf8(utf8, chars)) fail("CharTokenizer::from_text", "the text is not valid UTF-8");
-  std::sort(chars.begin(), chars.end());
-  chars.erase(std::unique(chars.begin(), chars.end()), chars.end());
+  // Decoded 64 KiB at a time (at a character boundary), so that a corpus is never held twice
+  // as code points: only the distinct ones are kept.
+  std::vector<char32_t> chars, piece;
+  for (std::size_t i = 0; i < utf8.size();) {
+    std::size_t end = std::min(utf8.size(), i + (std::size_t(1) << 16));
+    while (end < utf8.size() && (static_cast<unsigned char>(utf8[end]) & 0xC0) == 0x80) ++end;  // a continuation byte
+    piece.clear();
+    if (!decode_utf8(utf8.substr(i, end - i), piece)) fail("CharTokenizer::from_text", "the text is not valid UTF-8");
+    chars.insert(chars.end(), piece.begin(), piece.end());
+    std::sort(chars.begin(), chars.end());
+    chars.erase(std::unique(chars.begin(), chars.end()), chars.end());
+    i = end;
+  }
   CharTokenizer t;
   t.vocab_ = std::move(chars);
   return t;
