@@ -11,26 +11,14 @@
 
 #include "helpers.h"
 #include "tapegrad/gguf.h"
+#include "temp_dir.h"
 
 using namespace tg;
 namespace fs = std::filesystem;
 
-namespace {
+using tgtest::TempDir;
 
-struct TempDir {
-  fs::path dir;
-  TempDir() {
-    static int counter = 0;
-    dir = fs::temp_directory_path() / ("tapegrad_gguf_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-  }
-  std::string path(const std::string& name) const { return (dir / name).string(); }
-};
+namespace {
 
 void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);

@@ -8,8 +8,11 @@
 #include <string>
 
 #include <tapegrad/error.h>
+#include "temp_dir.h"
 
 namespace text_test {
+
+using tgtest::TempDir;
 
 // The message of the tg::Error that f throws; fails the test when it throws nothing or another type.
 inline std::string error_of(const std::function<void()>& f) {
@@ -23,21 +26,6 @@ inline std::string error_of(const std::function<void()>& f) {
   FAIL("no error thrown");
   return "";
 }
-
-// A fresh directory, removed with its files at the end of the scope.
-struct TempDir {
-  std::filesystem::path dir;
-  TempDir() {
-    std::random_device rd;
-    dir = std::filesystem::temp_directory_path() / ("tapegrad_text_" + std::to_string(rd()) + std::to_string(rd()));
-    std::filesystem::create_directories(dir);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(dir, ec);
-  }
-  std::string path(const std::string& name) const { return (dir / name).string(); }
-};
 
 inline void write_file(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary);
