@@ -21,26 +21,7 @@ if(rc)
   message(FATAL_ERROR "install failed: ${rc}")
 endif()
 
-# Sets ${out} to the text of the first ```cpp block in `text`, and ${rest} to what follows it;
-# ${out} is empty when there is none.
-function(next_cpp_block text)
-  string(FIND "${text}" "```cpp\n" start)
-  if(start EQUAL -1)
-    set(out "" PARENT_SCOPE)
-    return()
-  endif()
-  math(EXPR start "${start} + 7")
-  string(SUBSTRING "${text}" ${start} -1 after)
-  string(FIND "${after}" "```" stop)
-  if(stop EQUAL -1)
-    message(FATAL_ERROR "a ```cpp block is not closed")
-  endif()
-  string(SUBSTRING "${after}" 0 ${stop} block)
-  math(EXPR stop "${stop} + 3")
-  string(SUBSTRING "${after}" ${stop} -1 after)
-  set(out "${block}" PARENT_SCOPE)
-  set(rest "${after}" PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/../docs/cpp_blocks.cmake)  # next_cpp_block
 
 # The first ```cpp block of the document `doc` (a path under SOURCE_DIR) as the consumer's main.cpp.
 function(first_cpp_block_as_main doc)
