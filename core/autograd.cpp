@@ -107,7 +107,7 @@ using MetaRef = detail::Ref<AutogradMeta>;
 
 // Why the graph behind a tensor (its slot m) is gone, when it is: the node that made it was freed
 // by a backward, the tape was emptied since (by a backward, or by Tape::clear()), or the tensor was
-// recorded on another thread's tape. Null when the graph is still there.
+// recorded on another thread's tape. Empty when the graph is still there.
 std::string why_gone(const Tape& tp, const AutogradMeta& m) {
   const char* const fix = "; detach() it to use it as a constant in a new graph, or pass keep_tape=true to the "
                           "backward that freed it to differentiate through it again";
@@ -117,11 +117,12 @@ std::string why_gone(const Tape& tp, const AutogradMeta& m) {
            "call it on the thread that ran the forward";
   if (m.generation != TapeAccess::generation(tp)) {
     if (TapeAccess::cleared_by_user(tp, m.generation))
-      return std::string("the tape was cleared (Tape::clear()) after this tensor was recorded, which drops its graph") + fix;
+      return "the tape was cleared (Tape::clear()) after this tensor was recorded, which drops its graph; run its "
+             "forward again, or detach() it to use it as a constant";
     return std::string("part of the graph of this tensor was freed by an earlier backward()") + fix;
   }
   if (m.node >= static_cast<std::int64_t>(tp.size())) return "the graph of this tensor is not on this tape";
-  const Node& n = TapeAccess::node(const_cast<Tape&>(tp), static_cast<std::size_t>(m.node));
+  const Node& n = TapeAccess::node(tp, static_cast<std::size_t>(m.node));
   if (n.freed())
     return "part of the graph of this tensor was freed by an earlier backward() (op '" + std::string(n.name()) +
            "', tape node " + std::to_string(m.node) + ")" + fix;

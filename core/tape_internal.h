@@ -45,6 +45,7 @@ class Arena {
 // The operations on a tape that recording, backward() and the sweep need (core/autograd.cpp).
 struct TapeAccess {
   static Node& node(Tape& t, std::size_t i) { return t.nodes_[i]; }
+  static const Node& node(const Tape& t, std::size_t i) { return t.nodes_[i]; }
   static void run(Node& n) { n.ops_->call(n.closure_, n); }
   static std::uint64_t undefined_inputs(const Node& n) { return n.undefined_inputs_; }
   static std::size_t n_saved(const Node& n) { return n.n_saved_; }
