@@ -27,6 +27,7 @@
 //                                peak (AVX-512: 2 pipes x 16 floats x 2 flops x clock) for the fraction.
 //                                bf16 is the same products through kernels::gemm_bf16 (float32 operands
 //                                rounded while packed, float32 sums), where the CPU has AVX512_BF16.
+//                                large_*: the same twelve products at the GPT-2-small shape (n_embd 768).
 //   peak/<kind>                  the team's multiply-add peak: fma_avx2, fma_avx512, dpbf16 (peak.cpp);
 //                                scripts/bench prints each gemm_isa product as a fraction of its peak.
 //   tape/chain/<n>               a chain of n small recorded ops (x = x * 1.0001 + 0.0001 on 4 elements,
@@ -248,7 +249,7 @@ void bm_gemm_isa(benchmark::State& state, ProductCase c, tg::kernels::Isa level)
   const tg::kernels::Isa before = tg::kernels::isa();
   tg::kernels::set_isa(level);
   for (auto _ : state) {
-    if (level == tg::kernels::Isa::avx512_bf16)
+    if (level >= tg::kernels::Isa::avx512_bf16)
       tg::kernels::gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1),
                              0.0f, out.data(), c.N);
     else
@@ -450,9 +451,16 @@ void register_medium_products() {
       {"fc_fwd", false, true, 2048, 1536, 384},    {"fc_dx", false, false, 2048, 384, 1536},
       {"fc_dw", true, false, 1536, 384, 2048},     {"fc_out_fwd", false, true, 2048, 384, 1536},
       {"fc_out_dx", false, false, 2048, 1536, 384}, {"fc_out_dw", true, false, 384, 1536, 2048},
+      // The GPT-2-small shape (n_embd 768, batch 8 x block 256 = 2048 rows).
+      {"large_qkv_fwd", false, true, 2048, 2304, 768},   {"large_qkv_dx", false, false, 2048, 768, 2304},
+      {"large_qkv_dw", true, false, 2304, 768, 2048},    {"large_proj_fwd", false, true, 2048, 768, 768},
+      {"large_proj_dx", false, false, 2048, 768, 768},   {"large_proj_dw", true, false, 768, 768, 2048},
+      {"large_fc_fwd", false, true, 2048, 3072, 768},    {"large_fc_dx", false, false, 2048, 768, 3072},
+      {"large_fc_dw", true, false, 3072, 768, 2048},     {"large_fc_out_fwd", false, true, 2048, 768, 3072},
+      {"large_fc_out_dx", false, false, 2048, 3072, 768}, {"large_fc_out_dw", true, false, 768, 3072, 2048},
   };
   using tg::kernels::Isa;
-  for (Isa level : {Isa::avx2, Isa::avx512, Isa::avx512_bf16})
+  for (Isa level : {Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx_bf16})
     if (tg::kernels::cpu_supports(level))
       for (const ProductCase& c : medium)
         benchmark::RegisterBenchmark(

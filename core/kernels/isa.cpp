@@ -8,14 +8,41 @@
 
 #include "tapegrad/error.h"
 
+#if defined(TG_KERNELS_X86)
+#include <cpuid.h>
+#endif
+#if defined(TG_KERNELS_X86) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace tg::kernels {
 
 namespace {
 
-constexpr Isa kLevels[] = {Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16};
+constexpr Isa kLevels[] = {Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx_bf16};
 
 // -1 until the first isa() or set_isa(); then the level, as an int.
 std::atomic<int> g_isa{-1};
+
+#ifdef TG_KERNELS_X86
+// AMX-BF16 and AMX-TILE in cpuid (leaf 7, sub-leaf 0, EDX bits 22 and 24), and the tile data
+// state granted to this process by Linux (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA,
+// Linux 5.16 on; the grant covers every thread of the process). Asked once.
+bool amx_granted() {
+  static const bool granted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+#ifdef __linux__
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return granted;
+}
+#endif
 
 std::string supported_list() {
   std::string s;
@@ -34,7 +61,7 @@ Isa parse_isa(const char* v) {
         fail("TAPEGRAD_ISA", "this CPU cannot run '", v, "' (it supports: ", supported_list(), ")");
       return l;
     }
-  fail("TAPEGRAD_ISA", "unknown instruction set '", v, "' (expected portable, avx2, avx512 or avx512_bf16)");
+  fail("TAPEGRAD_ISA", "unknown instruction set '", v, "' (expected portable, avx2, avx512, avx512_bf16 or amx_bf16)");
 }
 
 bool cpu_supports(Isa level) {
@@ -46,6 +73,7 @@ bool cpu_supports(Isa level) {
     case Isa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case Isa::avx512: return cpu_supports(Isa::avx2) && __builtin_cpu_supports("avx512f");
     case Isa::avx512_bf16: return cpu_supports(Isa::avx512) && __builtin_cpu_supports("avx512bf16");
+    case Isa::amx_bf16: return cpu_supports(Isa::avx512_bf16) && amx_granted();
   }
   return false;
 #else
@@ -81,6 +109,7 @@ const char* isa_name(Isa level) {
     case Isa::avx2: return "avx2";
     case Isa::avx512: return "avx512";
     case Isa::avx512_bf16: return "avx512_bf16";
+    case Isa::amx_bf16: return "amx_bf16";
   }
   return "?";
 }

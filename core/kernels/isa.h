@@ -7,9 +7,13 @@
 //   portable     loops any compiler vectorises for the build's target, float32 products through OpenBLAS;
 //   avx2         AVX2 + FMA: our own float32 product, 6 x 16 register tile (sgemm_avx2.h);
 //   avx512       AVX-512F: our own float32 product, 14 x 32 register tile (sgemm_avx512.h);
-//   avx512_bf16  AVX-512F + AVX512_BF16: bf16 products (vdpbf16ps) as well.
+//   avx512_bf16  AVX-512F + AVX512_BF16: bf16 products (vdpbf16ps) as well;
+//   amx_bf16     AVX512_BF16 + AMX-BF16 (Intel's tile unit, Sapphire Rapids on): bf16 products on
+//                16 x 16 tiles (tdpbf16ps), about four times vdpbf16ps's rate. The operating system
+//                must grant the tile state to the process (Linux 5.16 on, arch_prctl
+//                ARCH_REQ_XCOMP_PERM); cpu_supports asks once, and a refusal means unsupported.
 //
-// The environment variable TAPEGRAD_ISA = portable | avx2 | avx512 | avx512_bf16 caps the level
+// The environment variable TAPEGRAD_ISA = portable | avx2 | avx512 | avx512_bf16 | amx_bf16 caps the level
 // (read at the first call to isa()): a kernel above it is not used even where the CPU has it. A
 // value the CPU cannot run, or an unknown name, makes isa() throw tg::Error naming the value and
 // what the CPU supports; it never silently runs something else. Tests set the level in-process
@@ -22,7 +26,7 @@
 
 namespace tg::kernels {
 
-enum class Isa { portable = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3 };
+enum class Isa { portable = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3, amx_bf16 = 4 };
 
 // What the CPU (and the operating system, which must save the wider registers) supports; false
 // on every level above portable where the build cannot compile the kernels (not x86-64 GCC/Clang).
@@ -30,6 +34,7 @@ bool cpu_supports(Isa level);
 inline bool cpu_has_avx2_fma() { return cpu_supports(Isa::avx2); }
 inline bool cpu_has_avx512() { return cpu_supports(Isa::avx512); }
 inline bool cpu_has_avx512_bf16() { return cpu_supports(Isa::avx512_bf16); }
+inline bool cpu_has_amx_bf16() { return cpu_supports(Isa::amx_bf16); }
 
 // The widest level the CPU supports.
 Isa best_isa();
@@ -45,7 +50,7 @@ Isa parse_isa(const char* value);
 // to be called while another thread is inside a kernel.
 void set_isa(Isa level);
 
-// "portable", "avx2", "avx512", "avx512_bf16".
+// "portable", "avx2", "avx512", "avx512_bf16", "amx_bf16".
 const char* isa_name(Isa level);
 
 }  // namespace tg::kernels

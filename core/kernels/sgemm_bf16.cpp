@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <type_traits>
 
 #include "kernels/isa.h"
 #include "kernels/parallel.h"
@@ -270,13 +271,149 @@ void kernel_native(i64 pairs, const u32* A, i64 row, const u32* Bp, float* C, i6
 #pragma GCC pop_options
 #endif
 
+
+// ---- The AMX kernel: tdpbf16ps on tiles -----------------------------------------------------------
+
+// Which kernel a product runs: vdpbf16ps's arithmetic emulated, vdpbf16ps itself, or AMX's tiles.
+enum class Path { emulated, dpbf16, amx };
+
+constexpr i64 kAmxK = 32;   // k per row of an A tile: 32 bf16 = 64 bytes, 16 pairs of a B tile
+constexpr i64 kAmxM = 32;   // rows of C per kernel call: two tiles of 16 rows
+
+#ifdef TG_BF16_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+
+// The tile registers as the AMX kernel uses them (Intel SDM vol. 1, ch. 18, palette 1): tmm0-3
+// hold C, 2 x 2 tiles of 16 x 16 floats; tmm4-5 two tiles of A, 16 rows x 32 bf16; tmm6-7 two
+// tiles of B, 16 pairs x 16 columns, each pair (b(k, j), b(k+1, j)) one 32-bit word, as packed.
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+// Loads the configuration on the calling thread (per thread, cheap beside a block's products).
+void amx_configure() {
+  TileConfig t;
+  for (int i = 0; i < 8; ++i) {
+    t.colsb[i] = 64;
+    t.rows[i] = 16;
+  }
+  _tile_loadconfig(&t);
+}
+
+// acc (32 x 32, row stride 32) = sum over chunks of 32 k of a(i, k) b(k, j): A 32 packed rows of
+// ka bf16, B a panel's 32 columns (a pair row every kNR words). Per chunk 2 tiles of A and 2 of B
+// are loaded and 4 products accumulate, in the tile unit's own order (sgemm_bf16.h).
+void amx_32x32(i64 chunks, const bf16* A, i64 ka, const u32* B, float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const i64 sa = ka * 2, sb = kNR * 4;  // bytes between rows
+  for (i64 c = 0; c < chunks; ++c) {
+    _tile_loadd(4, A + c * kAmxK, sa);
+    _tile_loadd(5, A + 16 * ka + c * kAmxK, sa);
+    _tile_loadd(6, B + c * 16 * kNR, sb);
+    _tile_loadd(7, B + c * 16 * kNR + 16, sb);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, acc, 128);
+  _tile_stored(1, acc + 16, 128);
+  _tile_stored(2, acc + 16 * 32, 128);
+  _tile_stored(3, acc + 16 * 32 + 16, 128);
+}
+
+// The valid mv x nv corner of acc to C: C = alpha acc (beta = 0) or fma(beta, C, alpha acc), as
+// the vdpbf16ps kernel stores.
+void amx_store(const float* acc, float* C, i64 ldc, float alpha, float beta, int mv, int nv) {
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  const auto mask = [](int n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); };
+  const __mmask16 m[2] = {mask(nv), mask(nv - 16)};
+  for (int i = 0; i < mv; ++i)
+    for (int h = 0; h < 2; ++h) {
+      if (!m[h]) continue;
+      float* r = C + i * ldc + 16 * h;
+      __m512 x = _mm512_mul_ps(va, _mm512_load_ps(acc + i * 32 + 16 * h));
+      if (beta != 0.0f) x = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m[h], r), x);
+      _mm512_mask_storeu_ps(r, m[h], x);
+    }
+}
+
+#pragma GCC pop_options
+#endif
+
+// op(A), rows [r0, r0 + mc), k in [k0, k0 + kc), for the tiles: bf16 rows of ka = kc rounded up
+// to 32, zero past kc, then zero rows up to a multiple of 32. a(i, k) = A[i * ld + k], or
+// A[k * ld + i] when ta (then A is read row by row and written by columns).
+template <class T>
+void pack_a_amx(bool ta, const T* A, i64 ld, i64 r0, i64 mc, i64 k0, i64 kc, bf16* Ap) {
+  const i64 ka = round_up(kc, kAmxK), ma = round_up(mc, kAmxM);
+  if (!ta) {
+    for (i64 i = 0; i < mc; ++i) {
+      const T* s = A + (r0 + i) * ld + k0;
+      bf16* d = Ap + i * ka;
+      if constexpr (std::is_same_v<T, float>) {
+#ifdef TG_BF16_X86
+        bf16_impl::to_bf16_avx512(s, d, kc);
+#else
+        bf16_impl::to_bf16_portable(s, d, kc);
+#endif
+      } else {
+        std::memcpy(d, s, static_cast<std::size_t>(kc) * sizeof(bf16));
+      }
+      std::fill(d + kc, d + ka, bf16{0});
+    }
+  } else {
+    for (i64 k = 0; k < kc; ++k) {
+      const T* s = A + (k0 + k) * ld + r0;
+      for (i64 i = 0; i < mc; ++i) Ap[i * ka + k] = bf16{static_cast<u16>(lo_of(s[i]))};
+    }
+    for (i64 i = 0; i < mc; ++i) std::fill(Ap + i * ka + kc, Ap + (i + 1) * ka, bf16{0});
+  }
+  std::fill(Ap + mc * ka, Ap + ma * ka, bf16{0});
+}
+
 // ---- Blocks ------------------------------------------------------------------------------------
 
 // Rows [r0, r1) of C times column panels [q0, q1) for one block of K, k in [pc, pc + kc), op(B)'s
 // panels of that block at Bk + q * pstride (words). be: this block's beta. Ap: room for
 // round_up(r1 - r0, 6) x kc bf16.
-void block_product(const GemmBf16& g, bool native, i64 r0, i64 r1, i64 pc, i64 kc, const u32* Bk, i64 pstride,
+// The AMX version: Ap has room for round_up(r1 - r0, 32) x round_up(kc, 32) bf16, and each panel
+// of Bk zero pairs up to round_up(kc, 32) / 2.
+void block_product_amx(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const u32* Bk, i64 pstride, i64 q0,
+                       i64 q1, float be, void* Ap) {
+#ifdef TG_BF16_X86
+  const i64 mc = r1 - r0, ka = round_up(kc, kAmxK);
+  auto* Ab = static_cast<bf16*>(Ap);
+  if (g.A.f) pack_a_amx(g.ta, g.A.f, g.A.ld, r0, mc, pc, kc, Ab);
+  else pack_a_amx(g.ta, g.A.h, g.A.ld, r0, mc, pc, kc, Ab);
+  amx_configure();
+  alignas(64) float acc[kAmxM * 32];
+  for (i64 q = q0; q < q1; ++q)
+    for (i64 h = 0; h < kNR / 32; ++h) {
+      const i64 col = q * kNR + 32 * h;
+      if (col >= g.N) break;
+      const int nv = static_cast<int>(std::min<i64>(32, g.N - col));
+      for (i64 ir = 0; ir < mc; ir += kAmxM) {
+        amx_32x32(ka / kAmxK, Ab + ir * ka, ka, Bk + q * pstride + 32 * h, acc);
+        amx_store(acc, g.C + (r0 + ir) * g.ldc + col, g.ldc, g.alpha, be,
+                  static_cast<int>(std::min<i64>(kAmxM, mc - ir)), nv);
+      }
+    }
+#else
+  (void)g, (void)r0, (void)r1, (void)pc, (void)kc, (void)Bk, (void)pstride, (void)q0, (void)q1, (void)be, (void)Ap;
+#endif
+}
+
+void block_product(const GemmBf16& g, Path path, i64 r0, i64 r1, i64 pc, i64 kc, const u32* Bk, i64 pstride,
                    i64 q0, i64 q1, float be, void* Ap) {
+  if (path == Path::amx) return block_product_amx(g, r0, r1, pc, kc, Bk, pstride, q0, q1, be, Ap);
+  const bool native = path == Path::dpbf16;
   const i64 mc = r1 - r0, pairs = (kc + 1) / 2;
   if (g.ta) {
     if (g.A.f) pack_a_trans(g.A.f, g.A.ld, r0, mc, pc, kc, static_cast<u32*>(Ap));
@@ -350,21 +487,25 @@ thread_local Buffer tl_a, tl_b;
 // computes it.
 struct Plan {
   const GemmBf16* g = nullptr;
-  bool native = false;
+  Path path = Path::emulated;
   i64 kcb = 0, nkb = 0, panels = 0, pstride = 0, rows = 0, row_blocks = 0, run = 0, items = 0;
   u32* Bp = nullptr;
 
   Plan() = default;
-  Plan(const GemmBf16& p, bool nat, int team) : g(&p), native(nat) {
-    kcb = block(p.K, kKC, 2);
+  Plan(const GemmBf16& p, Path pa, int team) : g(&p), path(pa) {
+    // AMX: K blocks of whole chunks of 32 (a B panel's pairs fill whole tiles) and rows in
+    // multiples of 32 (two tiles of A).
+    const bool amx = path == Path::amx;
+    const i64 unit = amx ? kAmxM : kMR;
+    kcb = block(p.K, kKC, amx ? kAmxK : 2);
     nkb = (p.K + kcb - 1) / kcb;
     panels = (p.N + kNR - 1) / kNR;
     pstride = kNR * (kcb / 2);
     // About four items a thread: rows in multiples of 6 (at least 24, at most kMC), then columns
     // cut in runs of panels when there are too few row blocks.
     const i64 want = 4 * team;
-    rows = team == 1 ? block(p.M, kMC, kMR)
-                     : std::clamp<i64>(round_up((p.M + want - 1) / want, kMR), 4 * kMR, kMC);
+    rows = team == 1 ? block(p.M, kMC, unit)
+                     : std::clamp<i64>(round_up((p.M + want - 1) / want, unit), amx ? unit : 4 * kMR, kMC);
     row_blocks = (p.M + rows - 1) / rows;
     const i64 col_blocks = std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
     run = team == 1 ? panels : (panels + col_blocks - 1) / col_blocks;
@@ -372,28 +513,32 @@ struct Plan {
   }
   i64 units() const { return nkb * panels; }  // a unit of packing: one panel of one K block
   i64 b_bytes() const { return units() * pstride * 4; }
-  i64 a_bytes() const { return round_up(rows, kMR) * kcb * 2; }
-  void pack(i64 u) const {
-    const i64 b = u / panels, q = u % panels, pc = b * kcb, n0 = q * kNR;
-    pack_b_panel(g->tb, g->B, pc, std::min(kcb, g->K - pc), n0, std::min<i64>(kNR, g->N - n0), Bp + u * pstride);
+  i64 a_bytes() const { return round_up(rows, path == Path::amx ? kAmxM : kMR) * kcb * 2; }
+  void pack(i64 u) const { pack_panel(u / panels, u % panels, Bp + u * pstride); }
+  // Panel q of K block b; for AMX with zero pairs up to the block's last whole chunk of 32.
+  void pack_panel(i64 b, i64 q, u32* d) const {
+    const i64 pc = b * kcb, kc = std::min(kcb, g->K - pc), n0 = q * kNR;
+    pack_b_panel(g->tb, g->B, pc, kc, n0, std::min<i64>(kNR, g->N - n0), d);
+    if (path == Path::amx) std::fill(d + (kc + 1) / 2 * kNR, d + round_up(kc, kAmxK) / 2 * kNR, u32{0});
   }
   void item(i64 i, void* Ap) const {
     const i64 rb = i % row_blocks, cb = i / row_blocks;
     const i64 r0 = rb * rows, r1 = std::min(g->M, r0 + rows), q0 = cb * run, q1 = std::min(panels, q0 + run);
     for (i64 b = 0; b < nkb; ++b) {
       const i64 pc = b * kcb;
-      block_product(*g, native, r0, r1, pc, std::min(kcb, g->K - pc), Bp + b * panels * pstride, pstride, q0, q1,
+      block_product(*g, path, r0, r1, pc, std::min(kcb, g->K - pc), Bp + b * panels * pstride, pstride, q0, q1,
                     b == 0 ? g->beta : 1.0f, Ap);
     }
   }
 };
 
-bool native_path() {
+// The fastest path isa() allows.
+Path path_in_use() {
 #ifdef TG_BF16_X86
-  return isa() >= Isa::avx512_bf16;
-#else
-  return false;
+  if (isa() >= Isa::amx_bf16) return Path::amx;
+  if (isa() >= Isa::avx512_bf16) return Path::dpbf16;
 #endif
+  return Path::emulated;
 }
 
 // Large enough to share: at least 2^21 multiply-adds (about 10 us on one core at vdpbf16ps's
@@ -402,28 +547,27 @@ bool split_worth(const GemmBf16& g) { return std::max(g.M, g.N) >= 32 && worth_p
 
 // The product on the calling thread: B packed one K block at a time (the same panels and sums as
 // the team's plan), then every row block.
-void single(const GemmBf16& g, bool native) {
+void single(const GemmBf16& g, Path path) {
   if (no_product(g)) return;
-  Plan plan(g, native, 1);
+  Plan plan(g, path, 1);
   void* Ap = tl_a.get(plan.a_bytes());
   plan.Bp = static_cast<u32*>(tl_b.get(plan.panels * plan.pstride * 4));
   if (!Ap || !plan.Bp) throw std::bad_alloc();
   for (i64 b = 0; b < plan.nkb; ++b) {
     const i64 pc = b * plan.kcb, kc = std::min(plan.kcb, g.K - pc);
-    for (i64 q = 0; q < plan.panels; ++q)
-      pack_b_panel(g.tb, g.B, pc, kc, q * kNR, std::min<i64>(kNR, g.N - q * kNR), plan.Bp + q * plan.pstride);
+    for (i64 q = 0; q < plan.panels; ++q) plan.pack_panel(b, q, plan.Bp + q * plan.pstride);
     for (i64 r0 = 0; r0 < g.M; r0 += plan.rows)
-      block_product(g, native, r0, std::min(g.M, r0 + plan.rows), pc, kc, plan.Bp, plan.pstride, 0, plan.panels,
+      block_product(g, path, r0, std::min(g.M, r0 + plan.rows), pc, kc, plan.Bp, plan.pstride, 0, plan.panels,
                     b == 0 ? g.beta : 1.0f, Ap);
   }
 }
 
 // The team's version: op(B) packed once by the team, then items taken from a shared counter (a
 // thread slowed by another program on the machine takes fewer).
-void team_product(const GemmBf16& g, bool native) {
+void team_product(const GemmBf16& g, Path path) {
   if (no_product(g)) return;
   const int team = omp_get_max_threads();
-  Plan plan(g, native, team);
+  Plan plan(g, path, team);
   plan.Bp = static_cast<u32*>(tl_b.get(plan.b_bytes()));
   if (!plan.Bp || !tl_a.get(plan.a_bytes())) throw std::bad_alloc();
   std::atomic<i64> next{0};
@@ -440,9 +584,9 @@ void team_product(const GemmBf16& g, bool native) {
 }  // namespace
 
 void gemm_bf16(const GemmBf16& g) {
-  const bool native = native_path();
-  if (split_worth(g) && omp_get_max_threads() > 1 && !omp_in_parallel()) team_product(g, native);
-  else single(g, native);
+  const Path path = path_in_use();
+  if (split_worth(g) && omp_get_max_threads() > 1 && !omp_in_parallel()) team_product(g, path);
+  else single(g, path);
 }
 
 // With two threads or more: side by side on the team (kernels::run_pair_on_team, parallel.h).
@@ -455,12 +599,12 @@ void gemm_bf16_pair(const GemmBf16& p, const GemmBf16& q) {
   }
   const bool lp = !no_product(p), lq = !no_product(q);  // no_product has done C = beta C where true
   if (!lp || !lq) {
-    if (lp) team_product(p, native_path());
-    if (lq) team_product(q, native_path());
+    if (lp) team_product(p, path_in_use());
+    if (lq) team_product(q, path_in_use());
     return;
   }
-  const bool native = native_path();
-  Plan plan[2] = {Plan(p, native, team), Plan(q, native, team)};
+  const Path path = path_in_use();
+  Plan plan[2] = {Plan(p, path, team), Plan(q, path, team)};
   const i64 a_bytes = std::max(plan[0].a_bytes(), plan[1].a_bytes());
   auto* Bp = static_cast<u32*>(tl_b.get(plan[0].b_bytes() + plan[1].b_bytes()));
   if (!Bp || !tl_a.get(a_bytes)) throw std::bad_alloc();
@@ -485,6 +629,8 @@ void gemm_bf16_naive(const GemmBf16& g) {
     }
 }
 
-void bf16_impl::gemm_bf16_single(const GemmBf16& g, bool native) { single(g, native && native_path()); }
+void bf16_impl::gemm_bf16_single(const GemmBf16& g, bool native) {
+  single(g, native && path_in_use() != Path::emulated ? Path::dpbf16 : Path::emulated);
+}
 
 }  // namespace tg::kernels

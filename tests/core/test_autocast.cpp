@@ -151,7 +151,7 @@ TEST_CASE("autocast: a recorded linear keeps its input as bf16, with the bits of
       xp[(rows - 1) * in + k] = from_bits((k % 2 ? 0x00800000u : 0x007FFFFFu) - below);
     }
   }
-  each_isa({Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16}, [&](Isa) {
+  each_isa({Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx_bf16}, [&](Isa) {
     std::vector<kernels::bf16> wh(static_cast<std::size_t>(out * in));
     kernels::to_bf16(w0.data<float>(), wh.data(), out * in);
     Tensor y_ref = Tensor::empty(dy.shape()), dx_ref = Tensor::empty(x0.shape()), dw_ref = Tensor::empty(w0.shape());

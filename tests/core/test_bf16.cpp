@@ -45,19 +45,19 @@ std::uint16_t reference_round(float x) {
 
 bool same_bits_or_nan(float a, float b) { return bits_of(a) == bits_of(b) || (std::isnan(a) && std::isnan(b)); }
 
-// Runs body for each path of the bf16 kernels this CPU has (native: AVX512_BF16; emulated: any
-// level below), the level set in-process in turn, then restored.
+// Runs body for each path of the bf16 kernels this CPU has (native: AVX512_BF16's vdpbf16ps, or
+// AMX's tiles; emulated: any level below), the level set in-process in turn, then restored.
 template <class F>
 void each_path(F&& body) {
   struct Restore {
     Isa level;
     ~Restore() { set_isa(level); }
   } restore{isa()};
-  for (Isa level : {Isa::portable, Isa::avx512_bf16}) {
+  for (Isa level : {Isa::portable, Isa::avx512_bf16, Isa::amx_bf16}) {
     if (!cpu_supports(level)) continue;
     set_isa(level);
     INFO("isa=" << isa_name(level));
-    body(level == Isa::avx512_bf16);
+    body(level >= Isa::avx512_bf16);
   }
 }
 

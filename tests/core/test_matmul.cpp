@@ -284,7 +284,7 @@ TEST_CASE("TAPEGRAD_ISA names an instruction set, and an unknown name or one the
   CHECK(kernels::parse_isa(nullptr) == kernels::best_isa());
   CHECK(kernels::parse_isa("") == kernels::best_isa());
   CHECK(kernels::parse_isa("portable") == Isa::portable);
-  for (Isa level : {Isa::avx2, Isa::avx512, Isa::avx512_bf16}) {
+  for (Isa level : {Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx_bf16}) {
     INFO("level=" << kernels::isa_name(level));
     if (kernels::cpu_supports(level)) {
       CHECK(kernels::parse_isa(kernels::isa_name(level)) == level);
@@ -299,6 +299,7 @@ TEST_CASE("TAPEGRAD_ISA names an instruction set, and an unknown name or one the
   REQUIRE_TG_ERROR(kernels::parse_isa("AVX2"), "TAPEGRAD_ISA", "unknown", "'AVX2'");
   CHECK(kernels::cpu_supports(kernels::best_isa()));
   CHECK(std::string(kernels::isa_name(Isa::avx512_bf16)) == "avx512_bf16");
+  CHECK(std::string(kernels::isa_name(Isa::amx_bf16)) == "amx_bf16");
 }
 
 #ifdef TG_SGEMM_AVX2
