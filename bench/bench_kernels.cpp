@@ -28,7 +28,7 @@
 //                                bf16 is the same products through kernels::gemm_bf16 (float32 operands
 //                                rounded while packed, float32 sums), where the CPU has AVX512_BF16.
 //                                large_*: the same twelve products at the GPT-2-small shape (n_embd 768).
-//   peak/<kind>                  the team's multiply-add peak: fma_avx2, fma_avx512, dpbf16 (peak.cpp);
+//   peak/<kind>                  the team's multiply-add peak: fma_avx2, fma_avx512, dpbf16, amx_bf16 (peak.cpp);
 //                                scripts/bench prints each gemm_isa product as a fraction of its peak.
 //   tape/chain/<n>               a chain of n small recorded ops (x = x * 1.0001 + 0.0001 on 4 elements,
 //                                2 ops per step, then sum + backward), as torch_kernels.py's tape_case;
@@ -468,9 +468,10 @@ void register_medium_products() {
             ->UseRealTime()->MinTime(0.1)->Unit(benchmark::kMicrosecond);
   const std::pair<bench::PeakKind, Isa> peaks[] = {{bench::PeakKind::fma_avx2, Isa::avx2},
                                                    {bench::PeakKind::fma_avx512, Isa::avx512},
-                                                   {bench::PeakKind::dpbf16, Isa::avx512_bf16}};
-  const char* names[] = {"peak/fma_avx2", "peak/fma_avx512", "peak/dpbf16"};
-  for (int i = 0; i < 3; ++i)
+                                                   {bench::PeakKind::dpbf16, Isa::avx512_bf16},
+                                                   {bench::PeakKind::amx_bf16, Isa::amx_bf16}};
+  const char* names[] = {"peak/fma_avx2", "peak/fma_avx512", "peak/dpbf16", "peak/amx_bf16"};
+  for (int i = 0; i < 4; ++i)
     if (tg::kernels::cpu_supports(peaks[i].second))
       benchmark::RegisterBenchmark(names[i], bm_peak, peaks[i].first)->UseRealTime()->Unit(benchmark::kMicrosecond);
 }

@@ -36,6 +36,7 @@ double peak_of(PeakKind k) {
 Peak measure_peak(bool bf16) {
   using tg::kernels::Isa;
   const Isa isa = tg::kernels::isa();  // TAPEGRAD_ISA caps it
+  if (bf16 && isa >= Isa::amx_bf16) return {peak_of(PeakKind::amx_bf16), "amx_bf16"};
   if (bf16 && isa >= Isa::avx512_bf16) return {peak_of(PeakKind::dpbf16), "dpbf16"};
   if (isa >= Isa::avx512) return {peak_of(PeakKind::fma_avx512), "fma_avx512"};
   if (isa >= Isa::avx2) return {peak_of(PeakKind::fma_avx2), "fma_avx2"};
