@@ -111,9 +111,12 @@ Tensor Block::attention(const Tensor& h) {
   return proj->forward(attend(packed, n_head_, *attn_drop));
 }
 
+// fc, GELU, fc_out (gpt) or gate_up, SwiGLU, down (llama) as one op (tg::mlp: the activation in
+// the products' epilogues, and x w1^T + b1 kept instead of the activation and its derivative);
+// the same bits as the three modules called in turn.
 Tensor Block::mlp(const Tensor& h) {
-  if (arch_ == Arch::gpt) return mlp_drop->forward(fc_out->forward(gelu(fc->forward(h))));
-  return mlp_drop->forward(down->forward(swiglu(gate_up->forward(h))));  // silu(gate) * up, fused
+  if (arch_ == Arch::gpt) return mlp_drop->forward(tg::mlp(h, fc->weight, fc->bias, fc_out->weight, fc_out->bias, "gelu"));
+  return mlp_drop->forward(tg::mlp(h, gate_up->weight, gate_up->bias, down->weight, down->bias, "swiglu"));
 }
 
 Tensor Block::attention_half(const Tensor& x) { return x + resid_drop->forward(attention(ln1->forward(x))); }

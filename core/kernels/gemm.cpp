@@ -112,11 +112,14 @@ void gemm_block(const Gemm<T>& g, int t, int nt) {
             g.ldc);
   }
 }
+// The product with its epilogue: block by block where our own team version cuts C (it calls ep
+// itself), on the whole C after the product everywhere else.
 template <class T>
 void run(const Gemm<T>& g) {
   if (g.M <= 0 || g.N <= 0) return;
   if (!split_worth(g)) {  // one thread (OpenBLAS may still split a large float64 call)
     product(g.ta, g.tb, g.M, g.N, g.K, g.alpha, g.A, g.lda, g.B, g.ldb, g.beta, g.C, g.ldc);
+    g.ep.whole(g.M, g.N);
     return;
   }
   if constexpr (std::is_same_v<T, float>) {
@@ -127,6 +130,7 @@ void run(const Gemm<T>& g) {
   }
 #pragma omp parallel
   gemm_block(g, omp_get_thread_num(), omp_get_num_threads());
+  g.ep.whole(g.M, g.N);
 }
 }  // namespace
 
@@ -134,6 +138,10 @@ template <class T>
 void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A, std::int64_t lda,
           const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc) {
   run(Gemm<T>{ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc});
+}
+template <class T>
+void gemm(const Gemm<T>& g) {
+  run(g);
 }
 
 template <class T>
@@ -190,6 +198,8 @@ void gemm_pair(const Gemm<T>& p, const Gemm<T>& q) {
       else gemm_block(q, t - split, n - split);
     }
   }
+  p.ep.whole(p.M, p.N);
+  q.ep.whole(q.M, q.N);
 }
 
 template void gemm<float>(bool, bool, std::int64_t, std::int64_t, std::int64_t, float, const float*, std::int64_t,
@@ -200,6 +210,8 @@ template void gemm_tri<float>(Tri, bool, bool, std::int64_t, std::int64_t, std::
                               std::int64_t, const float*, std::int64_t, float, float*, std::int64_t);
 template void gemm_tri<double>(Tri, bool, bool, std::int64_t, std::int64_t, std::int64_t, double, const double*,
                                std::int64_t, const double*, std::int64_t, double, double*, std::int64_t);
+template void gemm<float>(const Gemm<float>&);
+template void gemm<double>(const Gemm<double>&);
 template void gemm_pair<float>(const Gemm<float>&, const Gemm<float>&);
 template void gemm_pair<double>(const Gemm<double>&, const Gemm<double>&);
 

@@ -26,7 +26,27 @@ template <class T>
 void gemm_tri(Tri tri, bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, T alpha,
               const T* A, std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc);
 
-// One product's arguments, as gemm's, for gemm_pair.
+// A product's epilogue: work on C's elements once they are final, done while a block of C is still
+// in the cache of the thread that computed it (a fused activation, kernels/mlp.h). fn(ctx, r0, r1,
+// c0, c1) is called exactly once for each element of C, over blocks of rows [r0, r1) x columns
+// [c0, c1) that together cover C, after the element's whole sum is stored (also for K = 0 and
+// alpha = 0, where C = beta C). Blocks may run on several threads at once, and never overlap.
+// With rows set, every block spans whole rows (c0 = 0, c1 = N): for work that pairs columns far
+// apart, as SwiGLU's gate and up halves.
+struct Epilogue {
+  void (*fn)(const void* ctx, std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) = nullptr;
+  const void* ctx = nullptr;
+  bool rows = false;
+  explicit operator bool() const { return fn != nullptr; }
+  void operator()(std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) const { fn(ctx, r0, r1, c0, c1); }
+  // The whole of an M x N C at once (the paths that do not cut C into blocks).
+  void whole(std::int64_t M, std::int64_t N) const {
+    if (fn && M > 0 && N > 0) fn(ctx, 0, M, 0, N);
+  }
+};
+
+// One product's arguments, as gemm's, for gemm_pair; ep, when set, runs on C's blocks as they
+// are finished.
 template <class T>
 struct Gemm {
   bool ta, tb;
@@ -39,11 +59,10 @@ struct Gemm {
   T beta;
   T* C;
   std::int64_t ldc;
+  Epilogue ep{};
 };
 template <class T>
-void gemm(const Gemm<T>& g) {
-  gemm<T>(g.ta, g.tb, g.M, g.N, g.K, g.alpha, g.A, g.lda, g.B, g.ldb, g.beta, g.C, g.ldc);
-}
+void gemm(const Gemm<T>& g);
 // gemm(p); gemm(q) for two products of about equal work, neither of which reads or writes the
 // other's output, computed side by side by halves of the team (gemm.cpp says why).
 template <class T>

@@ -70,39 +70,43 @@ void silu_backward(const T* x, const T* dy, T* dx, std::int64_t n) {
 // Backward, silu'(g) as above:
 //   dg = dy u silu'(g) = dy u s (1 + g (1 - s)),    du = dy silu(g) = dy g s,
 // written into the two halves of the (rows, 2F) gradient.
+// One row: x (2F) -> y (F).
+template <class T>
+void swiglu_row(const T* x, T* y, std::int64_t F) {
+  const T* g = x;
+  const T* u = g + F;
+  for (std::int64_t j = 0; j < F; ++j) {
+    T s, c;
+    sigmoid_and_complement(g[j], s, c);
+    y[j] = (g[j] * s) * u[j];
+  }
+}
+// One row: x (2F), dy (F) -> dx (2F), every element written.
+template <class T>
+void swiglu_grad_row(const T* x, const T* dy, T* dx, std::int64_t F) {
+  const T* g = x;
+  const T* u = g + F;
+  T* dg = dx;
+  T* du = dg + F;
+  for (std::int64_t j = 0; j < F; ++j) {
+    T s, c;
+    sigmoid_and_complement(g[j], s, c);
+    dg[j] = dy[j] * u[j] * (s * (T(1) + g[j] * c));
+    du[j] = dy[j] * (g[j] * s);
+  }
+}
 // x (rows, 2F) -> y (rows, F)
 template <class T>
 void swiglu_forward(const T* x, T* y, std::int64_t rows, std::int64_t F) {
   parallel_for(rows, rows * F, [&](std::int64_t lo, std::int64_t hi) {
-    for (std::int64_t r = lo; r < hi; ++r) {
-      const T* g = x + r * 2 * F;
-      const T* u = g + F;
-      T* yr = y + r * F;
-      for (std::int64_t j = 0; j < F; ++j) {
-        T s, c;
-        sigmoid_and_complement(g[j], s, c);
-        yr[j] = (g[j] * s) * u[j];
-      }
-    }
+    for (std::int64_t r = lo; r < hi; ++r) swiglu_row(x + r * 2 * F, y + r * F, F);
   });
 }
 // x (rows, 2F), dy (rows, F) -> dx (rows, 2F): every element written.
 template <class T>
 void swiglu_backward(const T* x, const T* dy, T* dx, std::int64_t rows, std::int64_t F) {
   parallel_for(rows, 2 * rows * F, [&](std::int64_t lo, std::int64_t hi) {
-    for (std::int64_t r = lo; r < hi; ++r) {
-      const T* g = x + r * 2 * F;
-      const T* u = g + F;
-      const T* dyr = dy + r * F;
-      T* dg = dx + r * 2 * F;
-      T* du = dg + F;
-      for (std::int64_t j = 0; j < F; ++j) {
-        T s, c;
-        sigmoid_and_complement(g[j], s, c);
-        dg[j] = dyr[j] * u[j] * (s * (T(1) + g[j] * c));
-        du[j] = dyr[j] * (g[j] * s);
-      }
-    }
+    for (std::int64_t r = lo; r < hi; ++r) swiglu_grad_row(x + r * 2 * F, dy + r * F, dx + r * 2 * F, F);
   });
 }
 

@@ -507,7 +507,7 @@ struct Plan {
     rows = team == 1 ? block(p.M, kMC, unit)
                      : std::clamp<i64>(round_up((p.M + want - 1) / want, unit), amx ? unit : 4 * kMR, kMC);
     row_blocks = (p.M + rows - 1) / rows;
-    const i64 col_blocks = std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
+    const i64 col_blocks = p.ep.rows ? 1 : std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
     run = team == 1 ? panels : (panels + col_blocks - 1) / col_blocks;
     items = row_blocks * ((panels + run - 1) / run);
   }
@@ -529,6 +529,7 @@ struct Plan {
       block_product(*g, path, r0, r1, pc, std::min(kcb, g->K - pc), Bp + b * panels * pstride, pstride, q0, q1,
                     b == 0 ? g->beta : 1.0f, Ap);
     }
+    if (g->ep) g->ep(r0, r1, q0 * kNR, std::min(g->N, q1 * kNR));  // the item's part of C is final
   }
 };
 
@@ -548,7 +549,7 @@ bool split_worth(const GemmBf16& g) { return std::max(g.M, g.N) >= 32 && worth_p
 // The product on the calling thread: B packed one K block at a time (the same panels and sums as
 // the team's plan), then every row block.
 void single(const GemmBf16& g, Path path) {
-  if (no_product(g)) return;
+  if (no_product(g)) return g.ep.whole(g.M, g.N);
   Plan plan(g, path, 1);
   void* Ap = tl_a.get(plan.a_bytes());
   plan.Bp = static_cast<u32*>(tl_b.get(plan.panels * plan.pstride * 4));
@@ -560,12 +561,13 @@ void single(const GemmBf16& g, Path path) {
       block_product(g, path, r0, std::min(g.M, r0 + plan.rows), pc, kc, plan.Bp, plan.pstride, 0, plan.panels,
                     b == 0 ? g.beta : 1.0f, Ap);
   }
+  g.ep.whole(g.M, g.N);
 }
 
 // The team's version: op(B) packed once by the team, then items taken from a shared counter (a
 // thread slowed by another program on the machine takes fewer).
 void team_product(const GemmBf16& g, Path path) {
-  if (no_product(g)) return;
+  if (no_product(g)) return g.ep.whole(g.M, g.N);
   const int team = omp_get_max_threads();
   Plan plan(g, path, team);
   plan.Bp = static_cast<u32*>(tl_b.get(plan.b_bytes()));
@@ -600,7 +602,9 @@ void gemm_bf16_pair(const GemmBf16& p, const GemmBf16& q) {
   const bool lp = !no_product(p), lq = !no_product(q);  // no_product has done C = beta C where true
   if (!lp || !lq) {
     if (lp) team_product(p, path_in_use());
+    else p.ep.whole(p.M, p.N);
     if (lq) team_product(q, path_in_use());
+    else q.ep.whole(q.M, q.N);
     return;
   }
   const Path path = path_in_use();

@@ -41,6 +41,7 @@
 #include <cstdint>
 
 #include "kernels/bf16.h"
+#include "kernels/gemm.h"
 
 namespace tg::kernels {
 
@@ -63,6 +64,7 @@ struct GemmBf16 {
   float beta = 0;
   float* C = nullptr;
   std::int64_t ldc = 0;
+  Epilogue ep{};  // run on C's blocks as they are finished (kernels/gemm.h)
 };
 
 // The product; shared by the OpenMP team when it is large and the call is outside a parallel

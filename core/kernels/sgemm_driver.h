@@ -285,7 +285,7 @@ struct Driver {
       const i64 want = 4 * team;
       rows = std::clamp<i64>(((p.M + want - 1) / want + MR - 1) / MR * MR, 4 * MR, MC);
       row_blocks = (p.M + rows - 1) / rows;
-      const i64 col_blocks = std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
+      const i64 col_blocks = p.ep.rows ? 1 : std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
       run = (panels + col_blocks - 1) / col_blocks;
       items = row_blocks * ((panels + run - 1) / run);
     }
@@ -316,6 +316,7 @@ struct Driver {
         block_product(p.ta, p.A, p.lda, r0, r1, pc, std::min(kcb, p.K - pc), Bp + b * panels * pstride, pstride, q0,
                       q1, p.N, p.alpha, b == 0 ? p.beta : 1.0f, p.C, p.ldc, Ap, Tri::none, 0);
       }
+      if (p.ep) p.ep(r0, r1, q0 * NR, std::min(p.N, q1 * NR));  // the item's part of C is final
     }
   };
 
@@ -323,7 +324,7 @@ struct Driver {
   // packing and items are both taken in turn from shared counters, so a thread slowed by a
   // neighbour on the machine takes fewer of each (the packed B is the same whoever packs it).
   static void sgemm_parallel(const Gemm<float>& p) {
-    if (no_product(p)) return;
+    if (no_product(p)) return p.ep.whole(p.M, p.N);
     const int team = omp_get_max_threads();
     Plan plan(p, team);
     // The calling thread's buffers, allocated here where a failure can throw: its B buffer is
@@ -345,13 +346,17 @@ struct Driver {
     const bool lp = !no_product(p), lq = !no_product(q);
     if (!lp || !lq) {
       if (lp) sgemm_parallel(p);
+      else p.ep.whole(p.M, p.N);
       if (lq) sgemm_parallel(q);
+      else q.ep.whole(q.M, q.N);
       return;
     }
     const int team = omp_get_max_threads();
     if (team < 2) {
       sgemm(p.ta, p.tb, p.M, p.N, p.K, p.alpha, p.A, p.lda, p.B, p.ldb, p.beta, p.C, p.ldc, Tri::none);
+      p.ep.whole(p.M, p.N);
       sgemm(q.ta, q.tb, q.M, q.N, q.K, q.alpha, q.A, q.lda, q.B, q.ldb, q.beta, q.C, q.ldc, Tri::none);
+      q.ep.whole(q.M, q.N);
       return;
     }
     Plan plan[2] = {Plan(p, team), Plan(q, team)};

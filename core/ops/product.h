@@ -54,18 +54,19 @@ struct Product {
   T* C = nullptr;
   std::int64_t ldc = 0;
   bool bf16 = false;
+  kernels::Epilogue ep{};  // work on C's blocks as they are finished (kernels/gemm.h)
 };
 
 inline kernels::Bf16Operand as_bf16(const Operand<float>& o) {
   return o.h ? kernels::Bf16Operand(o.h, o.ld) : kernels::Bf16Operand(o.f, o.ld);
 }
 inline kernels::GemmBf16 as_bf16(const Product<float>& p) {
-  return {p.ta, p.tb, p.M, p.N, p.K, 1.0f, as_bf16(p.A), as_bf16(p.B), p.beta, p.C, p.ldc};
+  return {p.ta, p.tb, p.M, p.N, p.K, 1.0f, as_bf16(p.A), as_bf16(p.B), p.beta, p.C, p.ldc, p.ep};
 }
 template <class T>
 kernels::Gemm<T> as_gemm(const Product<T>& p) {
   assert(p.A.f && p.B.f);  // a bf16 operand comes only with bf16 products
-  return {p.ta, p.tb, p.M, p.N, p.K, T(1), p.A.f, p.A.ld, p.B.f, p.B.ld, p.beta, p.C, p.ldc};
+  return {p.ta, p.tb, p.M, p.N, p.K, T(1), p.A.f, p.A.ld, p.B.f, p.B.ld, p.beta, p.C, p.ldc, p.ep};
 }
 
 template <class T>

@@ -69,6 +69,14 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans
 // gemm, with the bias as the gemm's starting C; nn::Linear's forward.
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b = Tensor());
 
+// The transformer MLP as one op: act(x w1^T + b1) w2^T + b2, act "gelu" (the erf GELU) or "swiglu"
+// (w1 (2F, in) holds the gate's rows, then the up's). The same bits as
+// linear(gelu(linear(x, w1, b1)), w2, b2) (or swiglu), its unfused twin, with the activation done
+// in the products' epilogues and only x and x w1^T + b1 kept for the backward. PyTorch has no such
+// op; nn::Block calls it for its MLP.
+Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+           const char* activation = "gelu");
+
 // ---- neural-network ops ----
 Tensor softmax(const Tensor& x, int axis = -1);      // only the last axis is supported
 Tensor log_softmax(const Tensor& x, int axis = -1);  // only the last axis is supported

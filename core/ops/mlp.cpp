@@ -1,0 +1,203 @@
+// mlp: the transformer MLP as one op, out = act(x w1^T + b1) w2^T + b2 (ops.h). The activation
+// runs in the first product's epilogue and its derivative in the epilogue of the backward's
+// dh = dy w2 (kernels/mlp.h), so neither takes a pass of its own over memory; and the node keeps x
+// and pre = x w1^T + b1 only, recomputing h = act(pre) in the backward, where the unfused ops keep
+// both h and act'(pre).
+//
+// Backward, with G = d out:
+//   h = act(pre);  dw2 = G^T h;  db2 = sum_rows G;  dh = G w2;  dpre = act'(pre) dh (epilogue);
+//   dx = dpre w1;  dw1 = dpre^T x;  db1 = sum_rows dpre.
+// Every product, sum and activation is the unfused path's (linear, gelu / swiglu, linear), on the
+// same operands, so the results are its bits, in float32, float64 and under autocast.
+#include <cstring>
+#include <string>
+
+#include "dispatch.h"
+#include "kernels/mlp.h"
+#include "kernels/parallel.h"
+#include "kernels/reduce.h"
+#include "ops/internal.h"
+#include "ops/product.h"
+#include "tapegrad/autograd.h"
+#include "tapegrad/ops.h"
+
+namespace tg {
+
+namespace {
+
+using i64 = std::int64_t;
+
+enum class Act { gelu, swiglu };
+
+struct MlpDims {
+  i64 rows, C, H, F, out;  // x (rows, C), w1 (H, C), h (rows, F), w2 (out, F)
+  Act act;
+  bool bf16;
+};
+
+// The epilogues' work on a block of rows [r0, r1) x columns [c0, c1) of the product's output.
+template <class T>
+struct ActEpilogue {
+  const T* pre;
+  const T* dh;  // null in the forward
+  T* out;       // h (forward) or dpre (backward)
+  MlpDims d;
+  static void run(const void* ctx, i64 r0, i64 r1, i64 c0, i64 c1) {
+    const auto& e = *static_cast<const ActEpilogue*>(ctx);
+    if (e.d.act == Act::swiglu) {
+      if (e.dh) kernels::swiglu_grad_rows(e.pre, e.dh, e.out, e.d.F, r0, r1);
+      else kernels::swiglu_rows(e.pre, e.out, e.d.F, r0, r1);
+    } else {
+      if (e.dh) kernels::gelu_grad_block(e.pre, e.dh, e.out, e.d.H, r0, r1, c0, c1);
+      else kernels::gelu_block(e.pre, e.out, e.d.H, r0, r1, c0, c1);
+    }
+  }
+  kernels::Epilogue epilogue() const { return {&ActEpilogue::run, this, d.act == Act::swiglu}; }
+};
+
+// Y (rows, n) = the bias in every row; returns the product's beta (1 over a bias, 0 without).
+template <class T>
+T fill_bias(T* Y, const Tensor& b, i64 rows, i64 n) {
+  if (!b.defined()) return T(0);
+  const T* bias = b.data<T>();
+  kernels::parallel_for(rows, rows * n, [&](i64 lo, i64 hi) {
+    for (i64 r = lo; r < hi; ++r) std::memcpy(Y + r * n, bias, static_cast<std::size_t>(n) * sizeof(T));
+  });
+  return T(1);
+}
+
+struct MlpWeights { Tensor w1, w2, w1_bf16, w2_bf16; };
+struct MlpSaved { Tensor x, x_bf16, pre; MlpWeights w; };
+
+template <class T>
+void mlp_forward(const Tensor& x, MlpSaved& s, const Tensor& b1, const Tensor& b2, Tensor& y, const MlpDims& d) {
+  using detail::operand;
+  T* pre = s.pre.data<T>();
+  Tensor h = Tensor::empty({d.rows, d.F}, x.dtype());
+  const ActEpilogue<T> act{pre, nullptr, h.data<T>(), d};
+  const Tensor& xs = s.x_bf16.defined() ? s.x_bf16 : x;
+  detail::run(detail::Product<T>{false, true, d.rows, d.H, d.C, operand<T>(xs, d.C),
+                                 operand<T>(d.bf16 ? s.w.w1_bf16 : s.w.w1, d.C), fill_bias(pre, b1, d.rows, d.H), pre,
+                                 d.H, d.bf16, act.epilogue()});
+  T* Y = y.data<T>();
+  detail::run(detail::Product<T>{false, true, d.rows, d.out, d.F, operand<T>(h, d.F),
+                                 operand<T>(d.bf16 ? s.w.w2_bf16 : s.w.w2, d.F), fill_bias(Y, b2, d.rows, d.out), Y,
+                                 d.out, d.bf16});
+}
+
+// Column sums of G (rows, n) into the gradient of a bias, when it is wanted.
+template <class T>
+void pass_bias_grad(Node& n, int slot, const T* G, i64 rows, i64 cols) {
+  Tensor db = n.new_grad(slot);
+  if (db.defined()) kernels::sum_forward(G, db.data<T>(), 1, rows, cols, 1.0);
+  n.pass_grad(slot, std::move(db));
+}
+
+// The two products of one Linear's backward, dx = G w and dw = G^T x, side by side when both are
+// wanted (as linear's backward); px carries the epilogue, if any.
+template <class T>
+void run_backward_pair(const detail::Product<T>& px, const detail::Product<T>& pw, bool want_x, bool want_w) {
+  if (want_x && want_w) detail::run_pair(px, pw);
+  else if (want_x) detail::run(px);
+  else if (want_w) detail::run(pw);
+}
+
+// Inputs: x 0, w1 1, b1 2, w2 3, b2 4.
+template <class T>
+void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
+  using detail::operand;
+  const T* G = n.grad_out().data<T>();
+  const T* pre = s.pre.data<T>();
+  // h again, for dw2 = G^T h (the same bits as the forward's).
+  Tensor h = Tensor::empty({d.rows, d.F}, s.pre.dtype());
+  const ActEpilogue<T> fwd{pre, nullptr, h.data<T>(), d};
+  kernels::parallel_for(d.rows, d.rows * d.H, [&](i64 lo, i64 hi) { fwd.run(&fwd, lo, hi, 0, d.H); });
+  Tensor dw2 = n.new_grad(3);
+  Tensor dh = Tensor::empty({d.rows, d.F}, s.pre.dtype());
+  Tensor dpre = d.act == Act::gelu ? dh : Tensor::empty({d.rows, d.H}, s.pre.dtype());
+  const ActEpilogue<T> back{pre, dh.data<T>(), dpre.data<T>(), d};
+  detail::Product<T> p_dh{false, false, d.rows, d.F, d.out, operand(G, d.out),
+                          operand<T>(d.bf16 ? s.w.w2_bf16 : s.w.w2, d.F), T(0), dh.data<T>(), d.F, d.bf16,
+                          back.epilogue()};
+  detail::Product<T> p_dw2{true, false, d.out, d.F, d.rows, operand(G, d.out), operand<T>(h, d.F), T(0),
+                           detail::grad_ptr<T>(dw2), d.F, d.bf16};
+  run_backward_pair(p_dh, p_dw2, true, dw2.defined());
+  h = Tensor();
+  n.pass_grad(3, std::move(dw2));
+  pass_bias_grad(n, 4, G, d.rows, d.out);
+  Tensor dx = n.new_grad(0), dw1 = n.new_grad(1);
+  const Tensor& xs = s.x_bf16.defined() ? s.x_bf16 : s.x;
+  const T* P = dpre.data<T>();
+  detail::Product<T> p_dx{false, false, d.rows, d.C, d.H, operand(P, d.H),
+                          operand<T>(d.bf16 ? s.w.w1_bf16 : s.w.w1, d.C), T(0), detail::grad_ptr<T>(dx), d.C, d.bf16};
+  detail::Product<T> p_dw1{true, false, d.H, d.C, d.rows, operand(P, d.H), {}, T(0), detail::grad_ptr<T>(dw1), d.C,
+                           d.bf16};
+  if (dw1.defined()) p_dw1.B = operand<T>(xs, d.C);
+  run_backward_pair(p_dx, p_dw1, dx.defined(), dw1.defined());
+  n.pass_grad(0, std::move(dx));
+  n.pass_grad(1, std::move(dw1));
+  pass_bias_grad(n, 2, P, d.rows, d.H);
+}
+
+void check_bias(const char* op, const Tensor& x, const Tensor& b, const char* name, i64 n) {
+  if (!b.defined()) return;
+  detail::check_same_dtype(op, x, b);
+  if (b.dim() != 1 || b.size(0) != n) fail(op, "expects ", name, " (", n, ",), got ", b.shape());
+}
+
+MlpDims check_mlp(const char* op, const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2,
+                  const Tensor& b2, const char* activation) {
+  if (!x.defined() || !w1.defined() || !w2.defined()) fail(op, "needs an input and two weights");
+  const std::string a = activation ? activation : "";
+  if (a != "gelu" && a != "swiglu") fail(op, "activation must be \"gelu\" or \"swiglu\", got \"", a, "\"");
+  for (const Tensor* t : {&x, &w1, &w2}) detail::check_float(op, *t);
+  detail::check_same_dtype(op, x, w1);
+  detail::check_same_dtype(op, x, w2);
+  const Act act = a == "gelu" ? Act::gelu : Act::swiglu;
+  if (x.dim() < 1 || w1.dim() != 2 || x.size(-1) != w1.size(1))
+    fail(op, "expects input (..., in) and w1 (hidden, in), got ", x.shape(), " and ", w1.shape());
+  const i64 H = w1.size(0), F = act == Act::gelu ? H : H / 2;
+  if (act == Act::swiglu && H % 2 != 0) fail(op, "swiglu needs an even w1 width (gate and up), got ", w1.shape());
+  if (w2.dim() != 2 || w2.size(1) != F)
+    fail(op, "expects w2 (out, ", F, ") after ", a, " of w1 ", w1.shape(), ", got ", w2.shape());
+  check_bias(op, x, b1, "b1", H);
+  check_bias(op, x, b2, "b2", w2.size(0));
+  i64 rows = 1;  // the product of x's leading dims
+  for (int i = 0; i + 1 < x.dim(); ++i) rows *= x.size(i);
+  return {rows, x.size(-1), H, F, w2.size(0), act, false};
+}
+
+}  // namespace
+
+Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+           const char* activation) {
+  const char* op = "mlp";
+  MlpDims d = check_mlp(op, x, w1, b1, w2, b2, activation);
+  if (d.rows * d.C * d.H * d.out == 0) {  // an empty product somewhere: the unfused ops handle every such case
+    const Tensor pre = linear(x, w1, b1);
+    return linear(d.act == Act::gelu ? gelu(pre) : swiglu(pre), w2, b2);
+  }
+  d.bf16 = detail::products_in_bf16(x.dtype());
+  const bool recording = should_record({&x, &w1, &b1, &w2, &b2});
+  Shape yshape = x.shape();
+  yshape[yshape.ndim() - 1] = d.out;
+  Tensor y = Tensor::empty(yshape, x.dtype());
+  // As linear: in bf16 the weights are their cached bf16 copies, and x is kept as its bf16 copy
+  // when w1's gradient (dw1 = dpre^T x) will read it.
+  MlpSaved s{x.detach(), Tensor(), Tensor::empty({d.rows, d.H}, x.dtype()), {w1.detach(), w2.detach(), {}, {}}};
+  if (d.bf16) {
+    s.w.w1_bf16 = detail::weight_bf16(w1);
+    s.w.w2_bf16 = detail::weight_bf16(w2);
+    if (recording && w1.requires_grad()) s.x_bf16 = detail::activation_bf16(x);
+  }
+  detail::dispatch_float(op, x.dtype(), [&](auto z) { mlp_forward<decltype(z)>(x, s, b1, b2, y, d); });
+  if (recording) {
+    if (s.x_bf16.defined()) s.x = Tensor();
+    record(op, {&x, &w1, &b1, &w2, &b2}, {&y}, std::move(s), [d](Node& n, const MlpSaved& saved) {
+      detail::dispatch_float("mlp", saved.pre.dtype(), [&](auto z) { mlp_backward<decltype(z)>(n, saved, d); });
+    });
+  }
+  return y;
+}
+
+}  // namespace tg

@@ -1,0 +1,172 @@
+// mlp, the fused transformer MLP: the same bits as its unfused twin (linear, gelu or swiglu,
+// linear) in value and every gradient, float32, float64 and under autocast, at 1, 2 and 3 threads
+// and at shapes on both sides of the products' team threshold; float64 gradients against finite
+// differences; the kernels' epilogues on blocks against whole passes; and the error messages.
+#include <cstring>
+#include <vector>
+
+#include "helpers.h"
+#include "kernels/gemm.h"
+#include "kernels/sgemm_bf16.h"
+#include "tapegrad/autocast.h"
+
+using namespace tg;
+using namespace tgtest;
+
+namespace {
+
+struct MlpCase {
+  std::int64_t B, T, C, H;
+  bool bias;
+  const char* act;
+};
+
+Tensor unfused(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+               const char* act) {
+  const Tensor pre = linear(x, w1, b1);
+  return linear(std::string(act) == "gelu" ? gelu(pre) : swiglu(pre), w2, b2);
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  if (a.defined() != b.defined()) return false;
+  if (!a.defined()) return true;
+  return a.shape() == b.shape() && a.dtype() == b.dtype() &&
+         std::memcmp(a.raw_data(), b.raw_data(), static_cast<std::size_t>(a.numel()) * itemsize(a.dtype())) == 0;
+}
+
+// The output and the gradients of x, w1, b1, w2, b2 for one path.
+// A leaf of dtype from param64's values.
+Tensor leaf(const Shape& shape, std::uint64_t seed, DType dtype, double scale = 1.0) {
+  return to(param64(shape, seed, scale).detach(), dtype).detach().requires_grad_();
+}
+
+std::vector<Tensor> run_path(bool fused, const MlpCase& c, DType dtype, bool bf16) {
+  const std::int64_t F = std::string(c.act) == "gelu" ? c.H : c.H / 2;
+  Tensor x = leaf({c.B, c.T, c.C}, 1, dtype), w1 = leaf({c.H, c.C}, 2, dtype, 0.3), w2 = leaf({c.C + 3, F}, 3, dtype, 0.3);
+  Tensor b1 = c.bias ? leaf({c.H}, 4, dtype) : Tensor(), b2 = c.bias ? leaf({c.C + 3}, 5, dtype) : Tensor();
+  Tensor dy = to(param64({c.B, c.T, c.C + 3}, 6).detach(), dtype);
+  tape().clear();
+  Tensor y;
+  {
+    AutocastGuard autocast(bf16);
+    y = fused ? mlp(x, w1, b1, w2, b2, c.act) : unfused(x, w1, b1, w2, b2, c.act);
+  }
+  backward(sum(y * dy));
+  std::vector<Tensor> out = {y.detach(), x.grad(), w1.grad(), w2.grad()};
+  if (c.bias) {
+    out.push_back(b1.grad());
+    out.push_back(b2.grad());
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("mlp gives its unfused twin's bits, value and gradients, float32, float64 and bf16, 1 to 3 threads", "[mlp]") {
+  const int before = get_num_threads();
+  const MlpCase cases[] = {{2, 3, 8, 16, true, "gelu"},      {1, 5, 7, 10, false, "swiglu"},
+                           {4, 50, 64, 256, true, "gelu"},   {3, 40, 48, 192, false, "gelu"},
+                           {4, 50, 64, 256, true, "swiglu"}, {2, 33, 30, 98, true, "swiglu"}};
+  for (const MlpCase& c : cases)
+    for (DType dtype : {float32, float64})
+      for (bool bf16 : {false, true}) {
+        if (bf16 && dtype == float64) continue;
+        for (int threads : {1, 2, 3}) {
+          set_num_threads(threads);
+          INFO("B=" << c.B << " T=" << c.T << " C=" << c.C << " H=" << c.H << " " << c.act << " bias=" << c.bias
+                    << " dtype=" << dtype << " bf16=" << bf16 << " threads=" << threads);
+          const std::vector<Tensor> f = run_path(true, c, dtype, bf16), u = run_path(false, c, dtype, bf16);
+          REQUIRE(f.size() == u.size());
+          for (std::size_t i = 0; i < f.size(); ++i) {
+            INFO("tensor " << i << " (y, dx, dw1, dw2, db1, db2), max |diff| " << max_abs_diff(f[i], u[i]));
+            REQUIRE(same_bits(f[i], u[i]));
+          }
+        }
+      }
+  set_num_threads(before);
+}
+
+TEST_CASE("mlp's float64 gradients agree with finite differences, gelu and swiglu, with and without biases",
+          "[mlp]") {
+  for (const char* act : {"gelu", "swiglu"})
+    for (bool bias : {true, false}) {
+      INFO(act << " bias=" << bias);
+      const std::int64_t H = 6, F = std::string(act) == "gelu" ? H : H / 2;
+      std::vector<Tensor> in = {param64({2, 3, 4}, 11), param64({H, 4}, 12, 0.5), param64({5, F}, 13, 0.5)};
+      if (bias) {
+        in.push_back(param64({H}, 14));
+        in.push_back(param64({5}, 15));
+      }
+      require_gradcheck(
+          [act, bias](const std::vector<Tensor>& t) {
+            return mlp(t[0], t[1], bias ? t[3] : Tensor(), t[2], bias ? t[4] : Tensor(), act);
+          },
+          in);
+    }
+}
+
+TEST_CASE("mlp: an epilogue covers every element of C exactly once, on every path of the products", "[mlp]") {
+  // Counts calls per element of C through the float32 and bf16 products, alone and as a pair,
+  // with the team and without; and rows epilogues see whole rows.
+  struct Count {
+    std::vector<int> hits;
+    std::int64_t N;
+    bool rows;
+    bool whole_rows_seen = true;
+    static void run(const void* ctx, std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
+      auto& k = *const_cast<Count*>(static_cast<const Count*>(ctx));
+      if (c0 != 0 || c1 != k.N) k.whole_rows_seen = false;
+      for (std::int64_t r = r0; r < r1; ++r)
+        for (std::int64_t c = c0; c < c1; ++c) {
+#pragma omp atomic
+          ++k.hits[static_cast<std::size_t>(r * k.N + c)];
+        }
+    }
+  };
+  const int before = get_num_threads();
+  for (int threads : {1, 2, 3})
+    for (auto [M, N, K] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{300, 200, 64}, {5, 7, 3}, {64, 64, 0}})
+      for (bool rows : {false, true}) {
+        set_num_threads(threads);
+        INFO("threads=" << threads << " M=" << M << " N=" << N << " K=" << K << " rows=" << rows);
+        std::vector<float> A(static_cast<std::size_t>(M * std::max<std::int64_t>(K, 1)), 0.5f),
+            B(static_cast<std::size_t>(N * std::max<std::int64_t>(K, 1)), 0.25f), C(static_cast<std::size_t>(M * N));
+        Count k{std::vector<int>(static_cast<std::size_t>(M * N)), N, rows};
+        const kernels::Epilogue ep{&Count::run, &k, rows};
+        kernels::gemm(kernels::Gemm<float>{false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f, C.data(), N, ep});
+        kernels::gemm_bf16(kernels::GemmBf16{false, true, M, N, K, 1.0f, kernels::Bf16Operand(A.data(), K),
+                                             kernels::Bf16Operand(B.data(), K), 0.0f, C.data(), N, ep});
+        const kernels::Gemm<float> g{false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f, C.data(), N, ep};
+        kernels::gemm_pair(g, g);
+        for (int h : k.hits) REQUIRE(h == 4);
+        if (rows) REQUIRE(k.whole_rows_seen);
+      }
+  set_num_threads(before);
+}
+
+TEST_CASE("mlp names the op and the shapes when its arguments do not fit", "[mlp]") {
+  const Tensor x = param64({2, 4}, 1), w1 = param64({6, 4}, 2), w2 = param64({3, 6}, 3);
+  REQUIRE_TG_ERROR(mlp(x, w1, Tensor(), w2, Tensor(), "relu"), "mlp", "\"gelu\" or \"swiglu\"", "relu");
+  REQUIRE_TG_ERROR(mlp(x, param64({6, 5}, 2), Tensor(), w2, Tensor()), "mlp", "(2, 4)", "(6, 5)");
+  REQUIRE_TG_ERROR(mlp(x, w1, Tensor(), w2, Tensor(), "swiglu"), "mlp", "w2 (out, 3)", "(3, 6)");
+  REQUIRE_TG_ERROR(mlp(x, param64({5, 4}, 2), Tensor(), param64({3, 2}, 3), Tensor(), "swiglu"), "mlp", "even",
+                   "(5, 4)");
+  REQUIRE_TG_ERROR(mlp(x, w1, param64({5}, 4), w2, Tensor()), "mlp", "b1 (6,)", "(5,)");
+  REQUIRE_TG_ERROR(mlp(x, w1, Tensor(), w2, param64({4}, 4)), "mlp", "b2 (3,)", "(4,)");
+  REQUIRE_TG_ERROR(mlp(x, to(w1, float32), Tensor(), w2, Tensor()), "mlp");
+}
+
+TEST_CASE("mlp with empty shapes gives the unfused ops' results", "[mlp]") {
+  for (auto [rows, C, H] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{0, 4, 6}, {3, 0, 6}, {3, 4, 0}}) {
+    INFO("rows=" << rows << " C=" << C << " H=" << H);
+    Tensor x = param64({rows, C}, 1).requires_grad_(), w1 = param64({H, C}, 2).requires_grad_();
+    Tensor w2 = param64({5, H}, 3).requires_grad_(), b2 = param64({5}, 4).requires_grad_();
+    Tensor y = mlp(x, w1, Tensor(), w2, b2);
+    Tensor want = unfused(x.detach(), w1.detach(), Tensor(), w2.detach(), b2.detach(), "gelu");
+    REQUIRE(y.shape() == want.shape());
+    REQUIRE(max_abs_diff(y, want) == 0.0);
+    backward(sum(y));
+    REQUIRE(b2.grad().defined());
+    REQUIRE(max(abs(b2.grad() - static_cast<double>(rows))).item() == 0.0);
+  }
+}
