@@ -12,6 +12,7 @@
 #include <memory>
 #include <new>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/isa.h"
 #include "kernels/parallel.h"
@@ -344,6 +345,26 @@ void amx_store(const float* acc, float* C, i64 ldc, float alpha, float beta, int
     }
 }
 
+// op(A) = A^T for the tiles, from S, the block's k rows as bf16 (S[k * ms + i] = a(r0 + i, k0 + k),
+// ka rows, zero past kc and past mc, ms a multiple of 16): Ap's row i is the 32-bit words
+// (S[2p][i], S[2p + 1][i]) for p < ka / 2. Sixteen i at a time, a pair's words are interleaved in
+// a register (unpack works within 128-bit lanes, so word j holds i = kLane[j]) and scattered down
+// the sixteen rows of Ap.
+void transpose_pairs_amx(const bf16* S, i64 ms, i64 ka, bf16* Ap) {
+  alignas(64) static constexpr int kLane[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+  const i64 words = ka / 2;
+  const __m512i rows = _mm512_mullo_epi32(_mm512_load_si512(kLane), _mm512_set1_epi32(static_cast<int>(words)));
+  auto* out = reinterpret_cast<int*>(Ap);
+  for (i64 i0 = 0; i0 < ms; i0 += 16)
+    for (i64 p = 0; p < words; ++p) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + 2 * p * ms + i0));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + (2 * p + 1) * ms + i0));
+      const __m512i w = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_unpacklo_epi16(a, b)),
+                                           _mm256_unpackhi_epi16(a, b), 1);
+      _mm512_i32scatter_epi32(out + i0 * words + p, rows, w, 4);
+    }
+}
+
 #pragma GCC pop_options
 #endif
 
@@ -353,7 +374,7 @@ void amx_store(const float* acc, float* C, i64 ldc, float alpha, float beta, int
 template <class T>
 void pack_a_amx(bool ta, const T* A, i64 ld, i64 r0, i64 mc, i64 k0, i64 kc, bf16* Ap) {
   const i64 ka = round_up(kc, kAmxK), ma = round_up(mc, kAmxM);
-  if (!ta) {
+  if (!ta) {  // row by row
     for (i64 i = 0; i < mc; ++i) {
       const T* s = A + (r0 + i) * ld + k0;
       bf16* d = Ap + i * ka;
@@ -368,14 +389,25 @@ void pack_a_amx(bool ta, const T* A, i64 ld, i64 r0, i64 mc, i64 k0, i64 kc, bf1
       }
       std::fill(d + kc, d + ka, bf16{0});
     }
-  } else {
-    for (i64 k = 0; k < kc; ++k) {
-      const T* s = A + (k0 + k) * ld + r0;
-      for (i64 i = 0; i < mc; ++i) Ap[i * ka + k] = bf16{static_cast<u16>(lo_of(s[i]))};
-    }
-    for (i64 i = 0; i < mc; ++i) std::fill(Ap + i * ka + kc, Ap + (i + 1) * ka, bf16{0});
+    std::fill(Ap + mc * ka, Ap + ma * ka, bf16{0});
+    return;
   }
-  std::fill(Ap + mc * ka, Ap + ma * ka, bf16{0});
+#ifdef TG_BF16_X86
+  // Each k row of A converted (or copied) as a whole into S, then turned into Ap's rows.
+  const i64 ms = round_up(mc, 16);
+  static thread_local std::vector<bf16> scratch;
+  scratch.assign(static_cast<std::size_t>(ka * ms), bf16{0});
+  for (i64 k = 0; k < kc; ++k) {
+    const T* s = A + (k0 + k) * ld + r0;
+    bf16* d = scratch.data() + k * ms;
+    if constexpr (std::is_same_v<T, float>) bf16_impl::to_bf16_avx512(s, d, mc);
+    else std::memcpy(d, s, static_cast<std::size_t>(mc) * sizeof(bf16));
+  }
+  transpose_pairs_amx(scratch.data(), ms, ka, Ap);
+  std::fill(Ap + ms * ka, Ap + ma * ka, bf16{0});
+#else
+  (void)A, (void)ld, (void)r0, (void)k0, (void)ma;
+#endif
 }
 
 // ---- Blocks ------------------------------------------------------------------------------------
