@@ -347,21 +347,20 @@ void amx_store(const float* acc, float* C, i64 ldc, float alpha, float beta, int
 
 // op(A) = A^T for the tiles, from S, the block's k rows as bf16 (S[k * ms + i] = a(r0 + i, k0 + k),
 // ka rows, zero past kc and past mc, ms a multiple of 16): Ap's row i is the 32-bit words
-// (S[2p][i], S[2p + 1][i]) for p < ka / 2. Sixteen i at a time, a pair's words are interleaved in
-// a register (unpack works within 128-bit lanes, so word j holds i = kLane[j]) and scattered down
-// the sixteen rows of Ap.
+// (S[2p][i], S[2p + 1][i]) for p < ka / 2. Sixteen i at a time, a pair's words are made in a
+// register (the two rows widened to 32 bits, the second shifted up) and scattered down the
+// sixteen rows of Ap.
 void transpose_pairs_amx(const bf16* S, i64 ms, i64 ka, bf16* Ap) {
-  alignas(64) static constexpr int kLane[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
   const i64 words = ka / 2;
-  const __m512i rows = _mm512_mullo_epi32(_mm512_load_si512(kLane), _mm512_set1_epi32(static_cast<int>(words)));
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(words)));
   auto* out = reinterpret_cast<int*>(Ap);
   for (i64 i0 = 0; i0 < ms; i0 += 16)
     for (i64 p = 0; p < words; ++p) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + 2 * p * ms + i0));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + (2 * p + 1) * ms + i0));
-      const __m512i w = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_unpacklo_epi16(a, b)),
-                                           _mm256_unpackhi_epi16(a, b), 1);
-      _mm512_i32scatter_epi32(out + i0 * words + p, rows, w, 4);
+      const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + 2 * p * ms + i0)));
+      const __m512i b =
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + (2 * p + 1) * ms + i0)));
+      _mm512_i32scatter_epi32(out + i0 * words + p, rows, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)), 4);
     }
 }
 
