@@ -357,10 +357,13 @@ void transpose_pairs_amx(const bf16* S, i64 ms, i64 ka, bf16* Ap) {
   auto* out = reinterpret_cast<int*>(Ap);
   for (i64 i0 = 0; i0 < ms; i0 += 16)
     for (i64 p = 0; p < words; ++p) {
-      const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + 2 * p * ms + i0)));
-      const __m512i b =
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + (2 * p + 1) * ms + i0)));
-      _mm512_i32scatter_epi32(out + i0 * words + p, rows, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)), 4);
+      // The maskz forms: GCC 12 warns of the plain forms' undefined merge operand.
+      const __m512i a = _mm512_maskz_cvtepu16_epi32(
+          0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + 2 * p * ms + i0)));
+      const __m512i b = _mm512_maskz_cvtepu16_epi32(
+          0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + (2 * p + 1) * ms + i0)));
+      _mm512_i32scatter_epi32(out + i0 * words + p, rows, _mm512_or_si512(a, _mm512_maskz_slli_epi32(0xFFFF, b, 16)),
+                              4);
     }
 }
 
