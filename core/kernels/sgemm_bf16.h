@@ -27,6 +27,15 @@
 // thread in that fixed order, so the bits do not depend on the number of threads either. NaN
 // payloads may differ between the paths (NaN stays NaN).
 //
+// A third path, AMX's tiles (isa amx_bf16: Intel's tile unit, with tdpbf16ps), gives the same
+// operands and blocks but sums in the tile unit's own order: per element, 16 pairs of a chunk of
+// 32 k at a time, as the hardware orders them within an instruction (Intel SDM, TDPBF16PS: inputs
+// read as zero when subnormal, results flushed, round to nearest even). Its bits may differ from
+// the other two paths' in the last places, within the bound below; they too are the same for any
+// number of threads. There K blocks are whole chunks of 32 (fixed by K alone), rows go in tiles
+// of 16, and op(A) is packed as bf16 rows (A^T's rows made from pairs of A's rows), while op(B)'s
+// 64-column panels of pairs are what a B tile loads, 16 columns at a time.
+//
 // Accuracy against the exact product of the float32 operands: rounding each operand to bf16 moves
 // it by at most 2^-8 of itself (the unit roundoff of 8 significant bits), so a product a b by at
 // most (2 * 2^-8 + 2^-16) |a b|; the float32 sum of K exact products adds at most about K 2^-24
