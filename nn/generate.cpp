@@ -105,8 +105,8 @@ Tensor Block::forward_cached(const Tensor& x, Tensor& k_cache, Tensor& v_cache, 
   };
   if (x.dtype() == float64) run(double{});
   else run(float{});
-  Tensor h = x + proj->forward(y);
-  return h + mlp(ln2->forward(h));
+  Tensor h = linear(y, proj->weight, proj->bias, x);  // x + proj(y)
+  return mlp(ln2->forward(h), h);                     // h + mlp(ln2(h)); no dropout when generating
 }
 
 void KVCache::drop_oldest() {

@@ -103,24 +103,40 @@ Block::Block(const GPTConfig& cfg, DType dtype, Tensor rope_cos, Tensor rope_sin
   mlp_drop = register_module("mlp_drop", std::make_shared<Dropout>(cfg.dropout));
 }
 
-// qkv, RoPE on q and k (llama), causal attention, proj.
-Tensor Block::attention(const Tensor& h) {
+namespace {
+// A dropout that passes its input through unchanged (p = 0, or evaluation).
+bool passes_through(const Dropout& d) { return d.p == 0 || !d.is_training(); }
+}  // namespace
+
+// qkv, RoPE on q and k (llama), causal attention, proj; a defined residual is added in proj's
+// epilogue (tg::linear's residual).
+Tensor Block::attention(const Tensor& h, const Tensor& residual) {
   const std::int64_t C = h.size(2);
   Tensor packed = qkv->forward(h);  // (B, T, 3C): q, k, v side by side
   if (arch_ == Arch::llama) packed = rope(packed, rope_cos_, rope_sin_, C / n_head_, 2 * C);  // q and k; v as it is
-  return proj->forward(attend(packed, n_head_, *attn_drop));
+  const Tensor y = attend(packed, n_head_, *attn_drop);
+  return residual.defined() ? linear(y, proj->weight, proj->bias, residual) : proj->forward(y);
 }
 
 // fc, GELU, fc_out (gpt) or gate_up, SwiGLU, down (llama) as one op (tg::mlp: the activation in
 // the products' epilogues, and x w1^T + b1 kept instead of the activation and its derivative);
-// the same bits as the three modules called in turn.
-Tensor Block::mlp(const Tensor& h) {
-  if (arch_ == Arch::gpt) return mlp_drop->forward(tg::mlp(h, fc->weight, fc->bias, fc_out->weight, fc_out->bias, "gelu"));
-  return mlp_drop->forward(tg::mlp(h, gate_up->weight, gate_up->bias, down->weight, down->bias, "swiglu"));
+// the same bits as the three modules called in turn. A defined residual is added as fc_out
+// finishes.
+Tensor Block::mlp(const Tensor& h, const Tensor& residual) {
+  if (arch_ == Arch::gpt) return tg::mlp(h, fc->weight, fc->bias, fc_out->weight, fc_out->bias, "gelu", residual);
+  return tg::mlp(h, gate_up->weight, gate_up->bias, down->weight, down->bias, "swiglu", residual);
 }
 
-Tensor Block::attention_half(const Tensor& x) { return x + resid_drop->forward(attention(ln1->forward(x))); }
-Tensor Block::mlp_half(const Tensor& h) { return h + mlp(ln2->forward(h)); }
+// x + dropout(branch): with the dropout passing through, the residual add happens inside the
+// branch's last product (the same bits as the add).
+Tensor Block::attention_half(const Tensor& x) {
+  if (passes_through(*resid_drop)) return attention(ln1->forward(x), x);
+  return x + resid_drop->forward(attention(ln1->forward(x), Tensor()));
+}
+Tensor Block::mlp_half(const Tensor& h) {
+  if (passes_through(*mlp_drop)) return mlp(ln2->forward(h), h);
+  return h + mlp_drop->forward(mlp(ln2->forward(h), Tensor()));
+}
 
 Tensor Block::forward(const Tensor& x) {
   if (!x.defined() || x.dim() != 3 || x.size(2) != qkv->in_features)

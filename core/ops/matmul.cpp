@@ -242,6 +242,7 @@ void linear_backward_products(Node& n, const LinearSaved& s, bool bf16, const T*
 
 template <class T>
 void linear_backward(Node& n, const LinearSaved& s, bool bf16, std::int64_t rows, std::int64_t in, std::int64_t out) {
+  Tensor dres = n.needs_grad(3) ? detail::residual_grad(n, 3) : Tensor();  // first: it may be dy's buffer
   const T* G = n.grad_out().data<T>();
   if (rows * out * in == 0) {  // empty products: zero (or empty) gradients for x and w
     detail::pass_zeros(n, 0);
@@ -252,15 +253,17 @@ void linear_backward(Node& n, const LinearSaved& s, bool bf16, std::int64_t rows
   Tensor db = n.new_grad(2);
   if (db.defined()) kernels::sum_forward(G, db.data<T>(), 1, rows, out, 1.0);
   n.pass_grad(2, std::move(db));
+  n.pass_grad(3, std::move(dres));
 }
 
-// y (rows, out) = x w^T + b: the bias rows are written into y first, and the product adds to them
-// (beta = 1).
+// y (rows, out) = x w^T + b (+ res): the bias rows are written into y first, and the product adds
+// to them (beta = 1); a residual is added to each block of y as the product finishes it.
 template <class T>
-void linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& w_bf16, const Tensor& x_bf16,
-                    Tensor& y, std::int64_t rows, std::int64_t in, std::int64_t out) {
+void linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& res, const Tensor& w_bf16,
+                    const Tensor& x_bf16, Tensor& y, std::int64_t rows, std::int64_t in, std::int64_t out) {
   T* Y = y.data<T>();
   if (rows * out == 0) return;
+  const detail::ResidualEpilogue<T> add{res.defined() ? res.data<T>() : nullptr, Y, out};
   if (b.defined()) {
     const T* bias = b.data<T>();
     kernels::parallel_for(rows, rows * out, [&](std::int64_t lo, std::int64_t hi) {
@@ -269,15 +272,16 @@ void linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Ten
   }
   if (in == 0) {
     if (!b.defined()) std::fill(Y, Y + rows * out, T(0));  // an empty sum
-    return;
+    return add.epilogue().whole(rows, out);
   }
   const bool bf16 = w_bf16.defined();
   const Tensor& xs = x_bf16.defined() ? x_bf16 : x;
   detail::run(detail::Product<T>{false, true, rows, out, in, detail::operand<T>(xs, in),
-                                 detail::operand<T>(bf16 ? w_bf16 : w, in), b.defined() ? T(1) : T(0), Y, out, bf16});
+                                 detail::operand<T>(bf16 ? w_bf16 : w, in), b.defined() ? T(1) : T(0), Y, out, bf16,
+                                 add.epilogue()});
 }
 
-void check_linear(const char* op, const Tensor& x, const Tensor& w, const Tensor& b) {
+void check_linear(const char* op, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& res) {
   if (!x.defined() || !w.defined()) fail(op, "needs an input and a weight");
   detail::check_float(op, x);
   detail::check_float(op, w);
@@ -288,6 +292,12 @@ void check_linear(const char* op, const Tensor& x, const Tensor& w, const Tensor
     detail::check_same_dtype(op, x, b);
     if (b.dim() != 1 || b.size(0) != w.size(0)) fail(op, "expects bias (", w.size(0), ",), got ", b.shape());
   }
+  if (res.defined()) {
+    detail::check_same_dtype(op, x, res);
+    Shape yshape = x.shape();
+    yshape[yshape.ndim() - 1] = w.size(0);
+    if (res.shape() != yshape) fail(op, "expects residual ", yshape, " (the output's shape), got ", res.shape());
+  }
 }
 
 }  // namespace
@@ -297,9 +307,9 @@ void check_linear(const char* op, const Tensor& x, const Tensor& w, const Tensor
 // them (beta = 1): no separate add pass and one tape node instead of two. The backward is matmul's,
 // with the bias gradient as the column sums of dy:
 //   dx = dy w,  dw = dy^T x,  db = sum over rows of dy.
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& residual) {
   const char* op = "linear";
-  check_linear(op, x, w, b);
+  check_linear(op, x, w, b, residual);
   Shape yshape = x.shape();
   yshape[yshape.ndim() - 1] = w.size(0);
   const std::int64_t in = w.size(1), out = w.size(0);
@@ -313,17 +323,29 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   // it).
   const bool bf16 = detail::products_in_bf16(x.dtype()) && in > 0;
   const Tensor w_bf16 = bf16 ? detail::weight_bf16(w) : Tensor();
-  const bool recording = should_record({&x, &w, &b});
+  const bool recording = should_record({&x, &w, &b, &residual});
   const Tensor x_bf16 = bf16 && recording && w.requires_grad() && rows * out > 0 ? detail::activation_bf16(x) : Tensor();
-  dispatch_float(op, x.dtype(), [&](auto z) { linear_forward<decltype(z)>(x, w, b, w_bf16, x_bf16, y, rows, in, out); });
+  dispatch_float(op, x.dtype(),
+                 [&](auto z) { linear_forward<decltype(z)>(x, w, b, residual, w_bf16, x_bf16, y, rows, in, out); });
   if (recording) {
-    record(op, {&x, &w, &b}, {&y}, LinearSaved{x_bf16.defined() ? Tensor() : x.detach(), w.detach(), w_bf16, x_bf16},
-           [bf16, rows, in, out](Node& n, const LinearSaved& s) {
-             dispatch_float("linear", s.w.dtype(),
-                            [&](auto z) { linear_backward<decltype(z)>(n, s, bf16, rows, in, out); });
-           });
+    Node& node = record(op, {&x, &w, &b, &residual}, {&y},
+                        LinearSaved{x_bf16.defined() ? Tensor() : x.detach(), w.detach(), w_bf16, x_bf16},
+                        [bf16, rows, in, out](Node& n, const LinearSaved& s) {
+                          dispatch_float("linear", s.w.dtype(),
+                                         [&](auto z) { linear_backward<decltype(z)>(n, s, bf16, rows, in, out); });
+                        });
+    // The residual's gradient is dy itself, asked for first (only then: see new_grad).
+    if (residual.defined() && residual.requires_grad()) node.may_reuse_grad_out();
   }
   return y;
+}
+
+Tensor detail::residual_grad(const Node& n, std::size_t slot) {
+  Tensor g = n.new_grad(slot);
+  const Tensor& dy = n.grad_out();
+  if (g.defined() && g.raw_data() != dy.raw_data())
+    std::memcpy(g.raw_data(), dy.raw_data(), static_cast<std::size_t>(dy.numel()) * itemsize(dy.dtype()));
+  return g;
 }
 
 }  // namespace tg

@@ -70,7 +70,8 @@ struct MlpWeights { Tensor w1, w2, w1_bf16, w2_bf16; };
 struct MlpSaved { Tensor x, x_bf16, pre; MlpWeights w; };
 
 template <class T>
-void mlp_forward(const Tensor& x, MlpSaved& s, const Tensor& b1, const Tensor& b2, Tensor& y, const MlpDims& d) {
+void mlp_forward(const Tensor& x, MlpSaved& s, const Tensor& b1, const Tensor& b2, const Tensor& res, Tensor& y,
+                 const MlpDims& d) {
   using detail::operand;
   T* pre = s.pre.data<T>();
   Tensor h = Tensor::empty({d.rows, d.F}, x.dtype());
@@ -80,9 +81,10 @@ void mlp_forward(const Tensor& x, MlpSaved& s, const Tensor& b1, const Tensor& b
                                  operand<T>(d.bf16 ? s.w.w1_bf16 : s.w.w1, d.C), fill_bias(pre, b1, d.rows, d.H), pre,
                                  d.H, d.bf16, act.epilogue()});
   T* Y = y.data<T>();
+  const detail::ResidualEpilogue<T> add{res.defined() ? res.data<T>() : nullptr, Y, d.out};
   detail::run(detail::Product<T>{false, true, d.rows, d.out, d.F, operand<T>(h, d.F),
                                  operand<T>(d.bf16 ? s.w.w2_bf16 : s.w.w2, d.F), fill_bias(Y, b2, d.rows, d.out), Y,
-                                 d.out, d.bf16});
+                                 d.out, d.bf16, add.epilogue()});
 }
 
 // Column sums of G (rows, n) into the gradient of a bias, when it is wanted.
@@ -102,10 +104,11 @@ void run_backward_pair(const detail::Product<T>& px, const detail::Product<T>& p
   else if (want_w) detail::run(pw);
 }
 
-// Inputs: x 0, w1 1, b1 2, w2 3, b2 4.
+// Inputs: x 0, w1 1, b1 2, w2 3, b2 4, residual 5.
 template <class T>
 void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   using detail::operand;
+  Tensor dres = n.needs_grad(5) ? detail::residual_grad(n, 5) : Tensor();  // first: it may be dy's buffer
   const T* G = n.grad_out().data<T>();
   const T* pre = s.pre.data<T>();
   // h again, for dw2 = G^T h (the same bits as the forward's).
@@ -137,6 +140,7 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   n.pass_grad(0, std::move(dx));
   n.pass_grad(1, std::move(dw1));
   pass_bias_grad(n, 2, P, d.rows, d.H);
+  n.pass_grad(5, std::move(dres));
 }
 
 void check_bias(const char* op, const Tensor& x, const Tensor& b, const char* name, i64 n) {
@@ -146,7 +150,7 @@ void check_bias(const char* op, const Tensor& x, const Tensor& b, const char* na
 }
 
 MlpDims check_mlp(const char* op, const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2,
-                  const Tensor& b2, const char* activation) {
+                  const Tensor& b2, const char* activation, const Tensor& res) {
   if (!x.defined() || !w1.defined() || !w2.defined()) fail(op, "needs an input and two weights");
   const std::string a = activation ? activation : "";
   if (a != "gelu" && a != "swiglu") fail(op, "activation must be \"gelu\" or \"swiglu\", got \"", a, "\"");
@@ -164,21 +168,27 @@ MlpDims check_mlp(const char* op, const Tensor& x, const Tensor& w1, const Tenso
   check_bias(op, x, b2, "b2", w2.size(0));
   i64 rows = 1;  // the product of x's leading dims
   for (int i = 0; i + 1 < x.dim(); ++i) rows *= x.size(i);
+  if (res.defined()) {
+    detail::check_same_dtype(op, x, res);
+    Shape yshape = x.shape();
+    yshape[yshape.ndim() - 1] = w2.size(0);
+    if (res.shape() != yshape) fail(op, "expects residual ", yshape, " (the output's shape), got ", res.shape());
+  }
   return {rows, x.size(-1), H, F, w2.size(0), act, false};
 }
 
 }  // namespace
 
 Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
-           const char* activation) {
+           const char* activation, const Tensor& residual) {
   const char* op = "mlp";
-  MlpDims d = check_mlp(op, x, w1, b1, w2, b2, activation);
+  MlpDims d = check_mlp(op, x, w1, b1, w2, b2, activation, residual);
   if (d.rows * d.C * d.H * d.out == 0) {  // an empty product somewhere: the unfused ops handle every such case
     const Tensor pre = linear(x, w1, b1);
-    return linear(d.act == Act::gelu ? gelu(pre) : swiglu(pre), w2, b2);
+    return linear(d.act == Act::gelu ? gelu(pre) : swiglu(pre), w2, b2, residual);
   }
   d.bf16 = detail::products_in_bf16(x.dtype());
-  const bool recording = should_record({&x, &w1, &b1, &w2, &b2});
+  const bool recording = should_record({&x, &w1, &b1, &w2, &b2, &residual});
   Shape yshape = x.shape();
   yshape[yshape.ndim() - 1] = d.out;
   Tensor y = Tensor::empty(yshape, x.dtype());
@@ -190,12 +200,14 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
     s.w.w2_bf16 = detail::weight_bf16(w2);
     if (recording && w1.requires_grad()) s.x_bf16 = detail::activation_bf16(x);
   }
-  detail::dispatch_float(op, x.dtype(), [&](auto z) { mlp_forward<decltype(z)>(x, s, b1, b2, y, d); });
+  detail::dispatch_float(op, x.dtype(), [&](auto z) { mlp_forward<decltype(z)>(x, s, b1, b2, residual, y, d); });
   if (recording) {
     if (s.x_bf16.defined()) s.x = Tensor();
-    record(op, {&x, &w1, &b1, &w2, &b2}, {&y}, std::move(s), [d](Node& n, const MlpSaved& saved) {
+    Node& node = record(op, {&x, &w1, &b1, &w2, &b2, &residual}, {&y}, std::move(s), [d](Node& n, const MlpSaved& saved) {
       detail::dispatch_float("mlp", saved.pre.dtype(), [&](auto z) { mlp_backward<decltype(z)>(n, saved, d); });
     });
+    // The residual's gradient is dy itself, asked for first (only then: see new_grad).
+    if (residual.defined() && residual.requires_grad()) node.may_reuse_grad_out();
   }
   return y;
 }

@@ -13,6 +13,7 @@
 
 #include "kernels/gemm.h"
 #include "kernels/sgemm_bf16.h"
+#include "tapegrad/node.h"
 #include "tapegrad/tensor.h"
 
 namespace tg::detail {
@@ -68,6 +69,26 @@ kernels::Gemm<T> as_gemm(const Product<T>& p) {
   assert(p.A.f && p.B.f);  // a bf16 operand comes only with bf16 products
   return {p.ta, p.tb, p.M, p.N, p.K, T(1), p.A.f, p.A.ld, p.B.f, p.B.ld, p.beta, p.C, p.ldc, p.ep};
 }
+
+// An epilogue adding a residual: y[r, c] += res[r, c] on a block of y (rows, n), the add of
+// x + linear(...) done while the block is in cache. One rounding of y + res, as add's.
+template <class T>
+struct ResidualEpilogue {
+  const T* res;
+  T* y;
+  std::int64_t n;
+  static void run(const void* ctx, std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
+    const auto& e = *static_cast<const ResidualEpilogue*>(ctx);
+    for (std::int64_t r = r0; r < r1; ++r)
+      for (std::int64_t c = c0; c < c1; ++c) e.y[r * e.n + c] = e.res[r * e.n + c] + e.y[r * e.n + c];
+  }
+  kernels::Epilogue epilogue() const { return res ? kernels::Epilogue{&ResidualEpilogue::run, this} : kernels::Epilogue{}; }
+};
+
+// The gradient of a residual added to an op's output 0: the output's gradient itself. Call first
+// in the backward (slot: the residual's input), on a node recorded with may_reuse_grad_out, so
+// that new_grad can hand over dy's own buffer; else it is copied into the fresh one.
+Tensor residual_grad(const Node& n, std::size_t slot);
 
 template <class T>
 void run(const Product<T>& p) {

@@ -170,3 +170,47 @@ TEST_CASE("mlp with empty shapes gives the unfused ops' results", "[mlp]") {
     REQUIRE(max(abs(b2.grad() - static_cast<double>(rows))).item() == 0.0);
   }
 }
+
+TEST_CASE("a residual added in linear's and mlp's epilogue gives the add's bits, value and gradients", "[mlp]") {
+  const int before = get_num_threads();
+  for (DType dtype : {float32, float64})
+    for (bool bf16 : {false, true})
+      for (bool bias : {false, true})
+        for (bool res_grad : {true, false})
+          for (int threads : {1, 2}) {
+            if (bf16 && dtype == float64) continue;
+            set_num_threads(threads);
+            INFO("dtype=" << dtype << " bf16=" << bf16 << " bias=" << bias << " residual grad=" << res_grad
+                          << " threads=" << threads);
+            auto run = [&](bool fused, bool use_mlp) {
+              Tensor x = leaf({3, 70, 40}, 1, dtype), w1 = leaf({96, 40}, 2, dtype, 0.3);
+              Tensor w2 = leaf({40, 96}, 3, dtype, 0.3), b1 = bias ? leaf({96}, 4, dtype) : Tensor();
+              Tensor b2 = bias ? leaf({40}, 5, dtype) : Tensor(), wl = leaf({40, 40}, 8, dtype, 0.3);
+              Tensor r = to(param64({3, 70, 40}, 7).detach(), dtype).detach();
+              if (res_grad) r.requires_grad_();
+              const Tensor dy = to(param64({3, 70, 40}, 6).detach(), dtype);
+              tape().clear();
+              Tensor y;
+              {
+                AutocastGuard autocast(bf16);
+                if (use_mlp) y = fused ? mlp(x, w1, b1, w2, b2, "gelu", r) : r + unfused(x, w1, b1, w2, b2, "gelu");
+                else y = fused ? linear(x, wl, b2, r) : r + linear(x, wl, b2);
+              }
+              backward(sum(y * dy));
+              return std::vector<Tensor>{y.detach(), x.grad(), use_mlp ? w1.grad() : wl.grad(),
+                                         b2.defined() ? b2.grad() : Tensor(), res_grad ? r.grad() : Tensor()};
+            };
+            for (bool use_mlp : {false, true}) {
+              const std::vector<Tensor> f = run(true, use_mlp), u = run(false, use_mlp);
+              for (std::size_t i = 0; i < f.size(); ++i) {
+                INFO((use_mlp ? "mlp" : "linear") << " tensor " << i << " (y, dx, dw, db2, dres)");
+                REQUIRE(same_bits(f[i], u[i]));
+              }
+            }
+          }
+  set_num_threads(before);
+  const Tensor x = param64({2, 4}, 1), w = param64({3, 4}, 2);
+  REQUIRE_TG_ERROR(linear(x, w, Tensor(), param64({2, 4}, 3)), "linear", "residual (2, 3)", "(2, 4)");
+  REQUIRE_TG_ERROR(mlp(x, param64({6, 4}, 2), Tensor(), param64({2, 6}, 4), Tensor(), "gelu", param64({3, 2}, 3)),
+                   "mlp", "residual (2, 2)", "(3, 2)");
+}

@@ -66,16 +66,18 @@ Tensor max(const Tensor& x, const std::vector<int>& axes = {}, bool keepdim = fa
 // Both operands need at least 2 dims (PyTorch also accepts 1-D vectors).
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
 // x (..., in) @ w (out, in)^T + b (out), as PyTorch's F.linear; b may be undefined (no bias). One
-// gemm, with the bias as the gemm's starting C; nn::Linear's forward.
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b = Tensor());
+// gemm, with the bias as the gemm's starting C; nn::Linear's forward. A residual (the output's
+// shape; PyTorch's F.linear has none) is added to each block of the output as the product
+// finishes it: residual + linear(x, w, b), the same bits as the add, without its pass.
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b = Tensor(), const Tensor& residual = Tensor());
 
 // The transformer MLP as one op: act(x w1^T + b1) w2^T + b2, act "gelu" (the erf GELU) or "swiglu"
 // (w1 (2F, in) holds the gate's rows, then the up's). The same bits as
 // linear(gelu(linear(x, w1, b1)), w2, b2) (or swiglu), its unfused twin, with the activation done
-// in the products' epilogues and only x and x w1^T + b1 kept for the backward. PyTorch has no such
-// op; nn::Block calls it for its MLP.
+// in the products' epilogues and only x and x w1^T + b1 kept for the backward. A residual is added
+// as linear's is. PyTorch has no such op; nn::Block calls it for its MLP.
 Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
-           const char* activation = "gelu");
+           const char* activation = "gelu", const Tensor& residual = Tensor());
 
 // ---- neural-network ops ----
 Tensor softmax(const Tensor& x, int axis = -1);      // only the last axis is supported

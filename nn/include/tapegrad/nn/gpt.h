@@ -95,10 +95,10 @@ class Block : public UnaryModule {
   std::shared_ptr<Dropout> attn_drop, resid_drop, mlp_drop;
 
  private:
-  Tensor attention(const Tensor& h);  // (B, T, C) -> (B, T, C), before resid_drop
-  Tensor mlp(const Tensor& h);
+  Tensor attention(const Tensor& h, const Tensor& residual);  // (B, T, C) -> (B, T, C) (+ residual)
+  Tensor mlp(const Tensor& h, const Tensor& residual);        // the same, mlp_drop not applied
   Tensor attention_half(const Tensor& x);  // x + resid_drop(attention(ln1(x)))
-  Tensor mlp_half(const Tensor& h);        // h + mlp(ln2(h))
+  Tensor mlp_half(const Tensor& h);        // h + mlp_drop(mlp(ln2(h)))
   Arch arch_;
   bool checkpoint_ = false;
   std::int64_t n_head_;
