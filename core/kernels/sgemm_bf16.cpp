@@ -522,7 +522,7 @@ thread_local Buffer tl_a, tl_b;
 struct Plan {
   const GemmBf16* g = nullptr;
   Path path = Path::emulated;
-  i64 kcb = 0, nkb = 0, panels = 0, pstride = 0, rows = 0, row_blocks = 0, run = 0, items = 0;
+  i64 kcb = 0, nkb = 0, panels = 0, pstride = 0, rows = 0, unit = 0, units_m = 0, row_blocks = 0, run = 0, items = 0;
   u32* Bp = nullptr;
 
   Plan() = default;
@@ -530,7 +530,7 @@ struct Plan {
     // AMX: K blocks of whole chunks of 32 (a B panel's pairs fill whole tiles) and rows in
     // multiples of 32 (two tiles of A).
     const bool amx = path == Path::amx;
-    const i64 unit = amx ? kAmxM : kMR;
+    unit = amx ? kAmxM : kMR;
     kcb = block(p.K, kKC, amx ? kAmxK : 2);
     nkb = (p.K + kcb - 1) / kcb;
     panels = (p.N + kNR - 1) / kNR;
@@ -538,13 +538,19 @@ struct Plan {
     // About four items a thread: rows in multiples of 6 (at least 24, at most kMC), then columns
     // cut in runs of panels when there are too few row blocks.
     const i64 want = 4 * team;
-    rows = team == 1 ? block(p.M, kMC, unit)
-                     : std::clamp<i64>(round_up((p.M + want - 1) / want, unit), amx ? unit : 4 * kMR, kMC);
-    row_blocks = (p.M + rows - 1) / rows;
+    // Blocks of whole units of rows, as many as a multiple of the team where there are enough,
+    // the units dealt out evenly (as the float32 driver's plan).
+    units_m = (p.M + unit - 1) / unit;
+    const i64 most = team == 1 ? block(p.M, kMC, unit) / unit
+                               : std::clamp<i64>(round_up((p.M + want - 1) / want, unit), amx ? unit : 4 * kMR, kMC) / unit;
+    row_blocks = (units_m + most - 1) / most;
+    if (team > 1 && row_blocks > team) row_blocks = std::min(units_m, (row_blocks + team - 1) / team * team);
+    rows = (units_m + row_blocks - 1) / row_blocks * unit;  // the largest block
     const i64 col_blocks = p.ep.rows ? 1 : std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
     run = team == 1 ? panels : (panels + col_blocks - 1) / col_blocks;
     items = row_blocks * ((panels + run - 1) / run);
   }
+  i64 row_start(i64 rb) const { return rb * units_m / row_blocks * unit; }  // block rb's first row
   i64 units() const { return nkb * panels; }  // a unit of packing: one panel of one K block
   i64 b_bytes() const { return units() * pstride * 4; }
   i64 a_bytes() const { return round_up(rows, path == Path::amx ? kAmxM : kMR) * kcb * 2; }
@@ -557,7 +563,7 @@ struct Plan {
   }
   void item(i64 i, void* Ap) const {
     const i64 rb = i % row_blocks, cb = i / row_blocks;
-    const i64 r0 = rb * rows, r1 = std::min(g->M, r0 + rows), q0 = cb * run, q1 = std::min(panels, q0 + run);
+    const i64 r0 = row_start(rb), r1 = std::min(g->M, row_start(rb + 1)), q0 = cb * run, q1 = std::min(panels, q0 + run);
     for (i64 b = 0; b < nkb; ++b) {
       const i64 pc = b * kcb;
       block_product(*g, path, r0, r1, pc, std::min(kcb, g->K - pc), Bp + b * panels * pstride, pstride, q0, q1,
@@ -591,8 +597,9 @@ void single(const GemmBf16& g, Path path) {
   for (i64 b = 0; b < plan.nkb; ++b) {
     const i64 pc = b * plan.kcb, kc = std::min(plan.kcb, g.K - pc);
     for (i64 q = 0; q < plan.panels; ++q) plan.pack_panel(b, q, plan.Bp + q * plan.pstride);
-    for (i64 r0 = 0; r0 < g.M; r0 += plan.rows)
-      block_product(g, path, r0, std::min(g.M, r0 + plan.rows), pc, kc, plan.Bp, plan.pstride, 0, plan.panels,
+    for (i64 rb = 0; rb < plan.row_blocks; ++rb)
+      block_product(g, path, plan.row_start(rb), std::min(g.M, plan.row_start(rb + 1)), pc, kc, plan.Bp, plan.pstride,
+                    0, plan.panels,
                     b == 0 ? g.beta : 1.0f, Ap);
   }
   g.ep.whole(g.M, g.N);

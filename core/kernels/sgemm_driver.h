@@ -271,7 +271,7 @@ struct Driver {
   struct Plan {
     static constexpr i64 kSlab = 16;  // rows of B per packing unit when op(B) = B
     const Gemm<float>* g = nullptr;
-    i64 kcb = 0, nkb = 0, panels = 0, pstride = 0, rows = 0, row_blocks = 0, run = 0, items = 0;
+    i64 kcb = 0, nkb = 0, panels = 0, pstride = 0, rows = 0, tiles = 0, row_blocks = 0, run = 0, items = 0;
     float* Bp = nullptr;  // panel q of K block b at Bp + (b * panels + q) * pstride
 
     Plan() = default;
@@ -280,11 +280,16 @@ struct Driver {
       nkb = (p.K + kcb - 1) / kcb;
       panels = (p.N + NR - 1) / NR;
       pstride = NR * kcb;
-      // About four items a thread: rows in multiples of MR (at least 4 MR, at most MC), then
-      // columns cut in runs of panels when there are too few row blocks.
+      // About four items a thread: blocks of whole tiles of MR rows (at least 4, at most MC rows),
+      // as many as a multiple of the team where there are enough (equal items then end together:
+      // 15 blocks on 2 threads leave one thread idle for a block's time), the tiles dealt out
+      // evenly; then columns cut in runs of panels when there are too few row blocks.
       const i64 want = 4 * team;
-      rows = std::clamp<i64>(((p.M + want - 1) / want + MR - 1) / MR * MR, 4 * MR, MC);
-      row_blocks = (p.M + rows - 1) / rows;
+      tiles = (p.M + MR - 1) / MR;
+      const i64 most = std::clamp<i64>(((p.M + want - 1) / want + MR - 1) / MR, 4, MC / MR);  // tiles per block
+      row_blocks = (tiles + most - 1) / most;
+      if (row_blocks > team) row_blocks = std::min(tiles, (row_blocks + team - 1) / team * team);
+      rows = (tiles + row_blocks - 1) / row_blocks * MR;  // the largest block
       const i64 col_blocks = p.ep.rows ? 1 : std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
       run = (panels + col_blocks - 1) / col_blocks;
       items = row_blocks * ((panels + run - 1) / run);
@@ -310,7 +315,8 @@ struct Driver {
     void item(i64 i, float* Ap) const {
       const Gemm<float>& p = *g;
       const i64 rb = i % row_blocks, cb = i / row_blocks;
-      const i64 r0 = rb * rows, r1 = std::min(p.M, r0 + rows), q0 = cb * run, q1 = std::min(panels, q0 + run);
+      const i64 r0 = rb * tiles / row_blocks * MR, r1 = std::min(p.M, (rb + 1) * tiles / row_blocks * MR);
+      const i64 q0 = cb * run, q1 = std::min(panels, q0 + run);
       for (i64 b = 0; b < nkb; ++b) {
         const i64 pc = b * kcb;
         block_product(p.ta, p.A, p.lda, r0, r1, pc, std::min(kcb, p.K - pc), Bp + b * panels * pstride, pstride, q0,
