@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "helpers.h"
+#include "isa_helpers.h"
 #include "kernels/gemm.h"
 #include "kernels/sgemm_bf16.h"
 #include "tapegrad/autocast.h"
@@ -86,6 +87,22 @@ TEST_CASE("mlp gives its unfused twin's bits, value and gradients, float32, floa
   set_num_threads(before);
 }
 
+TEST_CASE("mlp gives its unfused twin's bits under every instruction set the CPU has", "[mlp]") {
+  using kernels::Isa;
+  const int before = get_num_threads();
+  set_num_threads(2);
+  const MlpCase cases[] = {{4, 50, 64, 256, true, "gelu"}, {2, 33, 30, 98, true, "swiglu"}};
+  each_isa({Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx_bf16}, [&](Isa) {
+    for (const MlpCase& c : cases)
+      for (bool bf16 : {false, true}) {
+        INFO(c.act << " bf16=" << bf16);
+        const std::vector<Tensor> f = run_path(true, c, float32, bf16), u = run_path(false, c, float32, bf16);
+        for (std::size_t i = 0; i < f.size(); ++i) REQUIRE(same_bits(f[i], u[i]));
+      }
+  });
+  set_num_threads(before);
+}
+
 TEST_CASE("mlp's float64 gradients agree with finite differences, gelu and swiglu, with and without biases",
           "[mlp]") {
   for (const char* act : {"gelu", "swiglu"})
@@ -105,7 +122,7 @@ TEST_CASE("mlp's float64 gradients agree with finite differences, gelu and swigl
     }
 }
 
-TEST_CASE("mlp: an epilogue covers every element of C exactly once, on every path of the products", "[mlp]") {
+TEST_CASE("mlp: an epilogue covers every element of C exactly once, on every path of the products, every ISA", "[mlp]") {
   // Counts calls per element of C through the float32 and bf16 products, alone and as a pair,
   // with the team and without; and rows epilogues see whole rows.
   struct Count {
@@ -124,6 +141,8 @@ TEST_CASE("mlp: an epilogue covers every element of C exactly once, on every pat
     }
   };
   const int before = get_num_threads();
+  using kernels::Isa;
+  each_isa({Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx_bf16}, [&](Isa) {
   for (int threads : {1, 2, 3})
     for (auto [M, N, K] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{300, 200, 64}, {5, 7, 3}, {64, 64, 0}})
       for (bool rows : {false, true}) {
@@ -141,6 +160,7 @@ TEST_CASE("mlp: an epilogue covers every element of C exactly once, on every pat
         for (int h : k.hits) REQUIRE(h == 4);
         if (rows) REQUIRE(k.whole_rows_seen);
       }
+  });
   set_num_threads(before);
 }
 
