@@ -5,6 +5,7 @@
 #include <cstring>
 #include <numbers>
 #include <sstream>
+#include <type_traits>
 
 #include "kernels/parallel.h"
 #include "kernels/reduce.h"
@@ -49,6 +50,39 @@ void for_blocks(const std::vector<Block>& blocks, std::int64_t elements, F&& bod
   });
 }
 
+// body(item, lo, hi) over the blocks of items of the given sizes: all items in one threaded pass when
+// `together`, else item after item (each threaded), for items that share memory.
+template <class F>
+void for_items(const std::vector<std::int64_t>& sizes, bool together, F&& body) {
+  auto run = [&](std::size_t first, std::size_t count) {
+    const std::vector<std::int64_t> part(sizes.begin() + static_cast<std::ptrdiff_t>(first),
+                                         sizes.begin() + static_cast<std::ptrdiff_t>(first + count));
+    std::int64_t elements = 0;
+    for (const std::int64_t n : part) elements += n;
+    const std::vector<Block> blocks = blocks_of(part);
+    for_blocks(blocks, elements, [&](const Block& b) { body(first + b.item, b.lo, b.hi); });
+  };
+  if (together) run(0, sizes.size());
+  else
+    for (std::size_t i = 0; i < sizes.size(); ++i) run(i, 1);
+}
+
+// The bytes [begin, end) of n elements of dtype d at p.
+using ByteRange = std::pair<const char*, const char*>;
+ByteRange bytes_of(const void* p, std::int64_t n, DType d) {
+  const char* b = static_cast<const char*>(p);
+  return {b, b + static_cast<std::size_t>(n) * itemsize(d)};
+}
+
+// True when no two of the ranges overlap (empty ones never do).
+bool disjoint(std::vector<ByteRange> r) {
+  std::erase_if(r, [](const ByteRange& x) { return x.first == x.second; });
+  std::sort(r.begin(), r.end());
+  for (std::size_t k = 1; k < r.size(); ++k)
+    if (r[k].first < r[k - 1].second) return false;
+  return true;
+}
+
 // sum_{lo <= k < hi} g[k]^2 in double (g float32 or float64).
 double sum_of_squares(const Tensor& g, std::int64_t lo, std::int64_t hi) {
   if (g.dtype() == float32) {
@@ -59,21 +93,32 @@ double sum_of_squares(const Tensor& g, std::int64_t lo, std::int64_t hi) {
   return kernels::sum16(hi - lo, [&](std::int64_t k) { return d[k] * d[k]; });
 }
 
+// g[lo, hi) *= coef (g float32 or float64).
+void scale_range(Tensor& g, double coef, std::int64_t lo, std::int64_t hi) {
+  kernels::with_bool(g.dtype() == float32, [&](auto F32) {
+    using T = std::conditional_t<decltype(F32)::value, float, double>;
+    T* d = g.data<T>();
+    for (std::int64_t k = lo; k < hi; ++k) d[k] = d[k] * static_cast<T>(coef);
+  });
+}
+
 // grad *= coef for every parameter with a gradient, in list order (a tensor listed twice is
-// scaled twice, as torch.nn.utils.clip_grad_norm_ does).
+// scaled twice, as torch.nn.utils.clip_grad_norm_ does): one threaded pass over all of them,
+// or tensor after tensor where gradients share memory.
 void scale_grads(const std::vector<Tensor>& params, double coef) {
+  std::vector<Tensor> grads;
+  std::vector<std::int64_t> sizes;
+  std::vector<ByteRange> ranges;
   for (const Tensor& p : params) {
     Tensor g = p.grad();
     if (!g.defined()) continue;
-    dispatch("clip_grad_norm", g.dtype(), [&](auto z) {
-      using T = decltype(z);
-      T* d = g.data<T>();
-      const std::int64_t n = g.numel();
-      kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-        for (std::int64_t k = lo; k < hi; ++k) d[k] = d[k] * static_cast<T>(coef);
-      });
-    });
+    dispatch("clip_grad_norm", g.dtype(), [](auto) {});
+    sizes.push_back(g.numel());
+    ranges.push_back(bytes_of(g.raw_data(), g.numel(), g.dtype()));
+    grads.push_back(std::move(g));
   }
+  for_items(sizes, disjoint(std::move(ranges)),
+            [&](std::size_t i, std::int64_t lo, std::int64_t hi) { scale_range(grads[i], coef, lo, hi); });
 }
 
 void check_max_norm(const std::string& op, double max_norm) {
@@ -411,28 +456,10 @@ AdamFn adam_variant(bool dec, bool l2, bool ams, bool clip) {
 // True when no two jobs share parameter or gradient memory (a parameter listed twice, gradients
 // sharing a buffer): only then may all jobs run in one pass, and clip in registers.
 bool disjoint(const std::vector<AdamJob>& jobs) {
-  std::vector<std::pair<const char*, const char*>> r;
-  for (const AdamJob& j : jobs) {
-    const std::size_t bytes = static_cast<std::size_t>(j.n) * itemsize(j.dtype);
-    if (bytes == 0) continue;
-    for (const void* p : {j.w, j.g}) r.emplace_back(static_cast<const char*>(p), static_cast<const char*>(p) + bytes);
-  }
-  std::sort(r.begin(), r.end());
-  for (std::size_t k = 1; k < r.size(); ++k)
-    if (r[k].first < r[k - 1].second) return false;
-  return true;
-}
-
-// Runs jobs [first, first + count) over their blocks, threaded over all of them at once.
-void run_adam(const AdamJob* first, std::size_t count) {
-  std::vector<std::int64_t> sizes(count);
-  std::int64_t elements = 0;
-  for (std::size_t i = 0; i < count; ++i) elements += sizes[i] = first[i].n;
-  const std::vector<Block> blocks = blocks_of(sizes);
-  for_blocks(blocks, elements, [&](const Block& b) {
-    const AdamJob& j = first[b.item];
-    j.fn(j, b.lo, b.hi);
-  });
+  std::vector<ByteRange> r;
+  for (const AdamJob& j : jobs)
+    for (const void* p : {j.w, j.g}) r.push_back(bytes_of(p, j.n, j.dtype));
+  return disjoint(std::move(r));
 }
 
 }  // namespace
@@ -470,9 +497,9 @@ void Adam::update(double coef) {
   for (AdamJob& j : jobs)
     j.fn = j.dtype == float32 ? adam_variant<float>(decoupled_, j.l2, amsgrad, clip && together)
                               : adam_variant<double>(decoupled_, j.l2, amsgrad, clip && together);
-  if (together) run_adam(jobs.data(), jobs.size());
-  else
-    for (const AdamJob& j : jobs) run_adam(&j, 1);
+  std::vector<std::int64_t> sizes;
+  for (const AdamJob& j : jobs) sizes.push_back(j.n);
+  for_items(sizes, together, [&](std::size_t i, std::int64_t lo, std::int64_t hi) { jobs[i].fn(jobs[i], lo, hi); });
 }
 
 // ---- schedules ----
