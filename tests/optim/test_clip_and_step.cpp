@@ -132,7 +132,13 @@ TEST_CASE("clip_and_step with a parameter listed twice equals clip_grad_norm the
     for (int step = 0; step < 2; ++step) {
       set_grads(ref, step, 1.0);
       set_grads(fused, step, 1.0);
+      const std::vector<float> g0 = ref.p[0].grad().to_vector<float>();
       const double nref = optim::clip_grad_norm({ref.p[0], ref.p[1], ref.p[0]}, max_norm);
+      const float c = static_cast<float>(max_norm / (nref + 1e-6));
+      const std::vector<float> g1 = ref.p[0].grad().to_vector<float>();
+      std::size_t wrong = 0;  // a is scaled twice when clipped
+      for (std::size_t k = 0; k < g0.size(); ++k) wrong += g1[k] != (c < 1 ? g0[k] * c * c : g0[k]);
+      REQUIRE(wrong == 0);
       oref.step();
       REQUIRE(ofused.clip_and_step(max_norm) == nref);
       require_same(ref.p, fused.p, oref, ofused);
