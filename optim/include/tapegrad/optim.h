@@ -173,8 +173,9 @@ class WarmupCosineLR : public Schedule {
 // ---- gradient clipping ----
 // The total L2 norm sqrt(sum_i sum_k grad_i[k]^2) over the gradients of params (parameters without
 // one are skipped), summed in double in a fixed order: each tensor cut into blocks of 2^15
-// elements, each block summed over 16 interleaved lanes (kernels::sum16), the block sums added in
-// order. The bits depend on the gradients and their order only, not on the thread count.
+// elements, each block summed over 16 interleaved lanes, the block sums added in order. The bits
+// depend on the gradients and their order only, not on the thread count. Throws tg::Error for an
+// undefined tensor or a gradient that is not float32 or float64.
 double grad_norm(const std::vector<Tensor>& params);
 // Scales every gradient by max_norm / (total + 1e-6) when the total L2 norm over all of them
 // exceeds max_norm (PyTorch's rule). Returns the total norm before clipping (grad_norm). Parameters
