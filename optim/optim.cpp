@@ -1,9 +1,11 @@
 #include "tapegrad/optim.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numbers>
 #include <sstream>
+#include <type_traits>
 
 #include "kernels/parallel.h"
 #include "kernels/reduce.h"
@@ -20,6 +22,107 @@ void dispatch(const char* op, DType d, F&& f) {
   if (d == float32) f(float{});
   else if (d == float64) f(double{});
   else fail(op, "parameters must be float32 or float64, got ", d);
+}
+
+// ---- blocks: the unit of the norm's summation order and of the threaded passes ----
+constexpr std::int64_t kBlock = std::int64_t{1} << 15;
+
+// Elements [lo, hi) of item `item` (a tensor, a job).
+struct Block {
+  std::size_t item;
+  std::int64_t lo, hi;
+};
+
+// Items of the given sizes cut into blocks of at most kBlock elements, item by item, in order.
+std::vector<Block> blocks_of(const std::vector<std::int64_t>& sizes) {
+  std::vector<Block> blocks;
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    for (std::int64_t lo = 0; lo < sizes[i]; lo += kBlock) blocks.push_back({i, lo, std::min(sizes[i], lo + kBlock)});
+  return blocks;
+}
+
+// body(block) for every block, each thread of the team taking a contiguous run of blocks when
+// `elements` (their total) is large.
+template <class F>
+void for_blocks(const std::vector<Block>& blocks, std::int64_t elements, F&& body) {
+  kernels::parallel_for(static_cast<std::int64_t>(blocks.size()), elements, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t k = lo; k < hi; ++k) body(blocks[static_cast<std::size_t>(k)]);
+  });
+}
+
+// body(item, lo, hi) over the blocks of items of the given sizes: all items in one threaded pass when
+// `together`, else item after item (each threaded), for items that share memory.
+template <class F>
+void for_items(const std::vector<std::int64_t>& sizes, bool together, F&& body) {
+  auto run = [&](std::size_t first, std::size_t count) {
+    const std::vector<std::int64_t> part(sizes.begin() + static_cast<std::ptrdiff_t>(first),
+                                         sizes.begin() + static_cast<std::ptrdiff_t>(first + count));
+    std::int64_t elements = 0;
+    for (const std::int64_t n : part) elements += n;
+    const std::vector<Block> blocks = blocks_of(part);
+    for_blocks(blocks, elements, [&](const Block& b) { body(first + b.item, b.lo, b.hi); });
+  };
+  if (together) run(0, sizes.size());
+  else
+    for (std::size_t i = 0; i < sizes.size(); ++i) run(i, 1);
+}
+
+// The bytes [begin, end) of n elements of dtype d at p.
+using ByteRange = std::pair<const char*, const char*>;
+ByteRange bytes_of(const void* p, std::int64_t n, DType d) {
+  const char* b = static_cast<const char*>(p);
+  return {b, b + static_cast<std::size_t>(n) * itemsize(d)};
+}
+
+// True when no two of the ranges overlap (empty ones never do).
+bool disjoint(std::vector<ByteRange> r) {
+  std::erase_if(r, [](const ByteRange& x) { return x.first == x.second; });
+  std::sort(r.begin(), r.end());
+  for (std::size_t k = 1; k < r.size(); ++k)
+    if (r[k].first < r[k - 1].second) return false;
+  return true;
+}
+
+// sum_{lo <= k < hi} g[k]^2 in double (g float32 or float64).
+double sum_of_squares(const Tensor& g, std::int64_t lo, std::int64_t hi) {
+  if (g.dtype() == float32) {
+    const float* d = g.data<float>() + lo;
+    return kernels::sum16(hi - lo, [&](std::int64_t k) { return static_cast<double>(d[k]) * d[k]; });
+  }
+  const double* d = g.data<double>() + lo;
+  return kernels::sum16(hi - lo, [&](std::int64_t k) { return d[k] * d[k]; });
+}
+
+// g[lo, hi) *= coef (g float32 or float64).
+void scale_range(Tensor& g, double coef, std::int64_t lo, std::int64_t hi) {
+  kernels::with_bool(g.dtype() == float32, [&](auto F32) {
+    using T = std::conditional_t<decltype(F32)::value, float, double>;
+    T* d = g.data<T>();
+    for (std::int64_t k = lo; k < hi; ++k) d[k] = d[k] * static_cast<T>(coef);
+  });
+}
+
+// grad *= coef for every parameter with a gradient, in list order (a tensor listed twice is
+// scaled twice, as torch.nn.utils.clip_grad_norm_ does): one threaded pass over all of them,
+// or tensor after tensor where gradients share memory.
+void scale_grads(const std::vector<Tensor>& params, double coef) {
+  std::vector<Tensor> grads;
+  std::vector<std::int64_t> sizes;
+  std::vector<ByteRange> ranges;
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    dispatch("clip_grad_norm", g.dtype(), [](auto) {});
+    sizes.push_back(g.numel());
+    ranges.push_back(bytes_of(g.raw_data(), g.numel(), g.dtype()));
+    grads.push_back(std::move(g));
+  }
+  for_items(sizes, disjoint(std::move(ranges)),
+            [&](std::size_t i, std::int64_t lo, std::int64_t hi) { scale_range(grads[i], coef, lo, hi); });
+}
+
+void check_max_norm(const std::string& op, double max_norm) {
+  if (!(max_norm > 0) || !std::isfinite(max_norm)) fail(op.c_str(), "max_norm must be positive, got ", max_norm);
 }
 
 // The per-parameter state keys an optimizer of a known kind keeps: scalar (a float64 0-d tensor)
@@ -81,6 +184,23 @@ void Optimizer::zero_grad() {
 void Optimizer::set_lr(double lr) {
   check_lr(lr);
   for (auto& g : groups_) g.lr = lr;
+}
+
+std::vector<Tensor> Optimizer::all_params() const {
+  std::vector<Tensor> ps;
+  for (const auto& g : groups_) ps.insert(ps.end(), g.params.begin(), g.params.end());
+  return ps;
+}
+
+double Optimizer::clip_and_step(double max_norm) {
+  check_max_norm(name_ + ".clip_and_step", max_norm);
+  const std::vector<Tensor> ps = all_params();
+  const double total = grad_norm(ps);
+  if (!std::isfinite(total)) return total;
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1) scale_grads(ps, coef);
+  step();
+  return total;
 }
 
 Tensor& Optimizer::state(std::size_t i, const std::string& key, const Tensor& like) {
@@ -265,54 +385,121 @@ AdamW::AdamW(std::vector<ParamGroup> groups, double lr, double b1, double b2, do
 AdamW::AdamW(std::vector<Tensor> params, double lr, double b1, double b2, double e, double wd, bool ams)
     : Adam(std::vector<ParamGroup>{{std::move(params), lr, wd}}, "AdamW", lr, b1, b2, e, wd, ams, true) {}
 
-void Adam::step() {
-  for_each_param_with_grad([&](ParamGroup& g, std::size_t i, Tensor& p) {
-    double& t = scalar_state(i, "step");
-    t += 1;
-    Tensor m = state(i, "exp_avg", p), v = state(i, "exp_avg_sq", p);
-    Tensor vmax = amsgrad ? state(i, "max_exp_avg_sq", p) : Tensor();
-    const double lr = g.lr, wd = g.weight_decay, b1 = beta1, b2 = beta2, e = eps;
-    const double bc1 = 1 - std::pow(b1, t), bc2_sqrt = std::sqrt(1 - std::pow(b2, t));
-    const double step_size = lr / bc1;
-    const bool ams = amsgrad, dec = decoupled_;
-    dispatch(name().c_str(), p.dtype(), [&](auto z) {
-      using T = decltype(z);
-      T* w = p.data<T>();
-      const T* gr = p.grad().template data<T>();
-      T* mp = m.data<T>();
-      T* vp = v.data<T>();
-      T* vm = ams ? vmax.data<T>() : nullptr;
-      const std::int64_t n = p.numel();
-      // The variant is chosen once, outside the loop: decoupled decay, an L2 term, AMSGrad. Tested
-      // inside the loop, the three branches (two of them conditional stores) keep GCC from
-      // vectorising it.
-      kernels::with_bool(dec, [&](auto Dec) {
-        kernels::with_bool(!dec && wd != 0, [&](auto L2) {
-          kernels::with_bool(ams, [&](auto Ams) {
-            kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-              const T decay = static_cast<T>(1 - lr * wd), l2 = static_cast<T>(wd), beta1_ = static_cast<T>(b1),
-                      beta2_ = static_cast<T>(b2), one_b1 = static_cast<T>(1 - b1), one_b2 = static_cast<T>(1 - b2),
-                      bc2 = static_cast<T>(bc2_sqrt), eps_ = static_cast<T>(e), step = static_cast<T>(step_size);
-              for (std::int64_t k = lo; k < hi; ++k) {
-                T gk = gr[k];
-                if constexpr (decltype(Dec)::value) w[k] = w[k] * decay;  // AdamW: decoupled decay
-                if constexpr (decltype(L2)::value) gk = gk + l2 * w[k];   // Adam: L2 in the gradient
-                mp[k] = mp[k] * beta1_ + gk * one_b1;
-                vp[k] = vp[k] * beta2_ + one_b2 * gk * gk;
-                T vk = vp[k];
-                if constexpr (decltype(Ams)::value) {
-                  vm[k] = vm[k] > vk ? vm[k] : vk;
-                  vk = vm[k];
-                }
-                const T denom = std::sqrt(vk) / bc2 + eps_;
-                w[k] = w[k] - step * (mp[k] / denom);
-              }
-            });
-          });
+namespace {
+
+// One parameter's Adam / AdamW update: its buffers (n elements of `dtype`), the step's constants
+// and the loop variant that runs it over a range of elements.
+struct AdamJob;
+using AdamFn = void (*)(const AdamJob&, std::int64_t lo, std::int64_t hi);
+struct AdamJob {
+  DType dtype;
+  void *w, *g, *m, *v, *vmax;  // p, grad, exp_avg, exp_avg_sq (n); vmax: AMSGrad's maximum, else null
+  std::int64_t n;
+  double lr, wd, b1, b2, eps, step_size, bc2_sqrt, coef;  // step_size = lr / (1 - b1^t), bc2_sqrt = sqrt(1 - b2^t)
+  bool l2;  // Adam with weight decay: wd p added to the gradient
+  AdamFn fn;
+};
+
+// Elements [lo, hi) of one job, with g = clip ? grad coef : grad (the clipped gradient written
+// back):  AdamW: p *= 1 - lr wd;  Adam: g += wd p;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
+// AMSGrad: vmax = max(vmax, v), used for v;  p -= step_size m / (sqrt(v) / bc2_sqrt + eps).
+// Each variant is its own plain loop (a flag tested inside the loop, above all one guarding a
+// store, keeps GCC from vectorising it); the arithmetic is the same expression, in the same
+// order, in every variant, so clipped-in-registers and clipped-in-memory gradients give the same
+// bits. The buffers never overlap (Adam::update checks).
+template <class T, bool Dec, bool L2, bool Ams, bool Clip>
+void adam_range(const AdamJob& j, std::int64_t lo, std::int64_t hi) {
+  T* __restrict w = static_cast<T*>(j.w);
+  T* __restrict gr = static_cast<T*>(j.g);
+  T* __restrict mp = static_cast<T*>(j.m);
+  T* __restrict vp = static_cast<T*>(j.v);
+  T* __restrict vm = static_cast<T*>(j.vmax);
+  const T decay = static_cast<T>(1 - j.lr * j.wd), l2 = static_cast<T>(j.wd), beta1 = static_cast<T>(j.b1),
+          beta2 = static_cast<T>(j.b2), one_b1 = static_cast<T>(1 - j.b1), one_b2 = static_cast<T>(1 - j.b2),
+          bc2 = static_cast<T>(j.bc2_sqrt), eps = static_cast<T>(j.eps), step = static_cast<T>(j.step_size),
+          coef = static_cast<T>(j.coef);
+  for (std::int64_t k = lo; k < hi; ++k) {
+    T gk = gr[k];
+    if constexpr (Clip) {
+      gk = gk * coef;
+      gr[k] = gk;
+    }
+    if constexpr (Dec) w[k] = w[k] * decay;  // AdamW: decoupled decay
+    if constexpr (L2) gk = gk + l2 * w[k];   // Adam: L2 in the gradient
+    mp[k] = mp[k] * beta1 + gk * one_b1;
+    vp[k] = vp[k] * beta2 + one_b2 * gk * gk;
+    T vk = vp[k];
+    if constexpr (Ams) {
+      vm[k] = vm[k] > vk ? vm[k] : vk;
+      vk = vm[k];
+    }
+    const T denom = std::sqrt(vk) / bc2 + eps;
+    w[k] = w[k] - step * (mp[k] / denom);
+  }
+}
+
+template <class T>
+AdamFn adam_variant(bool dec, bool l2, bool ams, bool clip) {
+  AdamFn fn = nullptr;
+  kernels::with_bool(dec, [&](auto D) {
+    kernels::with_bool(l2, [&](auto L) {
+      kernels::with_bool(ams, [&](auto A) {
+        kernels::with_bool(clip, [&](auto C) {
+          fn = &adam_range<T, decltype(D)::value, decltype(L)::value, decltype(A)::value, decltype(C)::value>;
         });
       });
     });
   });
+  return fn;
+}
+
+// True when no two jobs share parameter or gradient memory (a parameter listed twice, gradients
+// sharing a buffer): only then may all jobs run in one pass, and clip in registers.
+bool disjoint(const std::vector<AdamJob>& jobs) {
+  std::vector<ByteRange> r;
+  for (const AdamJob& j : jobs)
+    for (const void* p : {j.w, j.g}) r.push_back(bytes_of(p, j.n, j.dtype));
+  return disjoint(std::move(r));
+}
+
+}  // namespace
+
+void Adam::step() { update(1); }
+
+double Adam::clip_and_step(double max_norm) {
+  check_max_norm(name() + ".clip_and_step", max_norm);
+  const double total = grad_norm(all_params());
+  if (std::isfinite(total)) update(max_norm / (total + 1e-6));
+  return total;
+}
+
+void Adam::update(double coef) {
+  std::vector<AdamJob> jobs;
+  for_each_param_with_grad([&](ParamGroup& g, std::size_t i, Tensor& p) {
+    dispatch(name().c_str(), p.dtype(), [](auto) {});
+    Tensor grad = p.grad();
+    if (grad.dtype() != p.dtype() || grad.numel() != p.numel())
+      fail(name().c_str(), "parameter ", i, ' ', p.dtype(), ' ', p.shape(), " has a ", grad.dtype(), ' ', grad.shape(),
+           " gradient");
+    double& t = scalar_state(i, "step");
+    t += 1;
+    Tensor m = state(i, "exp_avg", p), v = state(i, "exp_avg_sq", p);
+    Tensor vmax = amsgrad ? state(i, "max_exp_avg_sq", p) : Tensor();
+    jobs.push_back({p.dtype(), p.raw_data(), grad.raw_data(), m.raw_data(), v.raw_data(),
+                    amsgrad ? vmax.raw_data() : nullptr, p.numel(), g.lr, g.weight_decay, beta1, beta2, eps,
+                    g.lr / (1 - std::pow(beta1, t)), std::sqrt(1 - std::pow(beta2, t)), coef,
+                    !decoupled_ && g.weight_decay != 0, nullptr});
+  });
+  // Clipping as clip_grad_norm does it (a pass scaling every gradient, then the update, parameter
+  // by parameter) where memory is shared; in the update's registers otherwise.
+  const bool clip = coef < 1, together = disjoint(jobs);
+  if (clip && !together) scale_grads(all_params(), coef);
+  for (AdamJob& j : jobs)
+    j.fn = j.dtype == float32 ? adam_variant<float>(decoupled_, j.l2, amsgrad, clip && together)
+                              : adam_variant<double>(decoupled_, j.l2, amsgrad, clip && together);
+  std::vector<std::int64_t> sizes;
+  for (const AdamJob& j : jobs) sizes.push_back(j.n);
+  for_items(sizes, together, [&](std::size_t i, std::int64_t lo, std::int64_t hi) { jobs[i].fn(jobs[i], lo, hi); });
 }
 
 // ---- schedules ----
@@ -346,43 +533,35 @@ double WarmupCosineLR::operator()(std::int64_t it) const {
 
 // ---- clipping ----
 
-double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
-  if (!(max_norm > 0) || !std::isfinite(max_norm)) fail("clip_grad_norm", "max_norm must be positive, got ", max_norm);
-  double total = 0;
-  for (const Tensor& p : params) {
-    const Tensor g = p.grad();
+double grad_norm(const std::vector<Tensor>& params) {
+  std::vector<Tensor> grads;
+  std::vector<std::int64_t> sizes;
+  std::int64_t elements = 0;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].defined()) fail("grad_norm", "parameter ", i, " is an undefined tensor");
+    Tensor g = params[i].grad();
     if (!g.defined()) continue;
-    dispatch("clip_grad_norm", g.dtype(), [&](auto z) {
-      using T = decltype(z);
-      const T* d = g.data<T>();
-      const std::int64_t n = g.numel();
-      // Per-thread partial sums added in thread order (an OpenMP reduction's order is unspecified):
-      // the same norm, bit for bit, on every run with the same thread count.
-      std::vector<double> part(static_cast<std::size_t>(omp_get_max_threads()), 0.0);
-      kernels::parallel_region(n, [&](int t, int nt) {
-        const T* c = d + kernels::chunk_begin(n, t, nt);
-        part[static_cast<std::size_t>(t)] = kernels::sum16(kernels::chunk_begin(n, t + 1, nt) - kernels::chunk_begin(n, t, nt),
-                                                           [&](std::int64_t k) { return static_cast<double>(c[k]) * c[k]; });
-      });
-      for (double s : part) total += s;
-    });
+    if (g.dtype() != float32 && g.dtype() != float64)
+      fail("grad_norm", "the gradient of parameter ", i, " must be float32 or float64, got ", g.dtype());
+    sizes.push_back(g.numel());
+    elements += g.numel();
+    grads.push_back(std::move(g));
   }
-  total = std::sqrt(total);
+  const std::vector<Block> blocks = blocks_of(sizes);
+  std::vector<double> part(blocks.size());
+  for_blocks(blocks, elements, [&](const Block& b) {
+    part[static_cast<std::size_t>(&b - blocks.data())] = sum_of_squares(grads[b.item], b.lo, b.hi);
+  });
+  double total = 0;
+  for (const double s : part) total += s;
+  return std::sqrt(total);
+}
+
+double clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
+  check_max_norm("clip_grad_norm", max_norm);
+  const double total = grad_norm(params);
   const double coef = max_norm / (total + 1e-6);
-  if (coef < 1) {
-    for (const Tensor& p : params) {
-      Tensor g = p.grad();
-      if (!g.defined()) continue;
-      dispatch("clip_grad_norm", g.dtype(), [&](auto z) {
-        using T = decltype(z);
-        T* d = g.data<T>();
-        const std::int64_t n = g.numel();
-        kernels::parallel_for(n, n, [&](std::int64_t lo, std::int64_t hi) {
-          for (std::int64_t k = lo; k < hi; ++k) d[k] = d[k] * static_cast<T>(coef);
-        });
-      });
-    }
-  }
+  if (coef < 1) scale_grads(params, coef);
   return total;
 }
 

@@ -245,7 +245,9 @@ double Trainer::train_step() {
     if (std::isfinite(loss_)) {
       loss.backward();
       par_->finish_gradients();  // averaged over the ranks
-      gnorm = cfg_.grad_clip > 0 ? optim::clip_grad_norm(params_, cfg_.grad_clip) : non_finite_gradient(params_);
+      // With clipping, the norm, the clipping and AdamW's update in one call, which leaves the
+      // weights untouched when the norm is not finite; without it, the check, then step() below.
+      gnorm = cfg_.grad_clip > 0 ? opt_->clip_and_step(cfg_.grad_clip) : non_finite_gradient(params_);
     }
   }
   if (!std::isfinite(loss_) || !std::isfinite(gnorm)) {
@@ -261,7 +263,7 @@ double Trainer::train_step() {
          "); the last checkpoint", cfg_.out.empty() ? std::string(" (none: no --out)") : " in '" + cfg_.out + "'",
          " is kept");
   }
-  opt_->step();
+  if (cfg_.grad_clip <= 0) opt_->step();
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   times_.push_back(ms);
   r_.step_loss.push_back(loss_);

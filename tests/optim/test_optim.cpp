@@ -140,8 +140,9 @@ std::unique_ptr<optim::Schedule> make_schedule(const json& run) {
 
 bool rel_close(double got, double want, double rel) { return std::fabs(got - want) <= rel * std::fabs(want); }
 
-// One fixture run: 20 steps, every parameter after every step against PyTorch.
-void check_run(const json& run) {
+// One fixture run: 20 steps, every parameter after every step against PyTorch. fused: a run that
+// clips calls clip_and_step instead of clip_grad_norm then step().
+void check_run(const json& run, bool fused = false) {
   const std::string name = run.at("name").get<std::string>();
   INFO("run " << name);
   Problem p = make_problem();
@@ -167,12 +168,13 @@ void check_run(const json& run) {
     REQUIRE(p.W.grad().defined());
     REQUIRE_FALSE(p.u.grad().defined());
     if (clip) {
-      const double n = optim::clip_grad_norm(p.params(), run.at("clip_grad_norm").get<double>());
+      const double max_norm = run.at("clip_grad_norm").get<double>();
+      const double n = fused ? opt->clip_and_step(max_norm) : optim::clip_grad_norm(p.params(), max_norm);
       const double nd = std::fabs(n - run.at("grad_norms")[it].get<double>());
       note(name + " grad norm", nd);
       REQUIRE(nd <= kTol);
     }
-    opt->step();
+    if (!clip || !fused) opt->step();
     const json& want = steps[it];
     require_close(p.W, want.at("W").get<std::vector<double>>(), name + " W");
     require_close(p.b, want.at("b").get<std::vector<double>>(), name + " b");
@@ -218,6 +220,17 @@ TEST_CASE("Adam matches PyTorch 1.13 step by step", "[optim]") {
 TEST_CASE("AdamW matches PyTorch 1.13 step by step", "[optim]") {
   // defaults, weight decay, amsgrad, amsgrad + weight decay, two groups, two groups + cosine + clipping
   check_runs_of("AdamW", 6);
+}
+
+TEST_CASE("clip_and_step matches PyTorch 1.13's clip_grad_norm_ then step() step by step", "[optim]") {
+  // two groups + cosine + clipping (max_norm 1.1: the first steps clip, later ones do not)
+  std::size_t n = 0;
+  for (const json& run : fixtures().at("runs"))
+    if (run.contains("clip_grad_norm")) {
+      check_run(run, true);
+      ++n;
+    }
+  REQUIRE(n == 1);
 }
 
 TEST_CASE("WarmupCosineLR equals the reference benchmark's lr_at at every step", "[optim]") {

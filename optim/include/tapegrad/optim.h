@@ -29,6 +29,18 @@ class Optimizer {
   void zero_grad();
   // One update of every parameter that has a gradient; parameters without one are skipped.
   virtual void step() = 0;
+  // Gradient clipping and the update in one call (PyTorch has no such call): the total L2 norm of
+  // the gradients of every parameter, group by group (grad_norm); when it is finite, the gradients
+  // scaled by max_norm / (norm + 1e-6) where that is below 1, then step(). Parameters, state and
+  // gradients end bit-identical to
+  //   clip_grad_norm(<the parameters, group by group, in order>, max_norm);  step();
+  // (the gradients are left clipped, as torch.nn.utils.clip_grad_norm_ leaves them). A norm that is
+  // not finite changes nothing (gradients, parameters, state) and is returned for the caller to
+  // stop or skip on; clip_grad_norm_ then step() would write NaN into every parameter. Adam and
+  // AdamW scale each gradient in registers inside their single update pass, saving clipping's
+  // read-and-write pass over the gradients; other optimizers scale, then step. max_norm > 0.
+  // Returns the total norm before clipping.
+  virtual double clip_and_step(double max_norm);
   std::vector<ParamGroup>& param_groups() { return groups_; }
   const std::vector<ParamGroup>& param_groups() const { return groups_; }
   // Sets the learning rate of every group (what a schedule drives).
@@ -51,6 +63,8 @@ class Optimizer {
   // Calls f(group, param index, param) for every parameter that has a gradient.
   template <class F> void for_each_param_with_grad(F&& f);
   void check_lr(double lr) const;
+  // Every parameter, group by group, in order (the order of clip_and_step's norm).
+  std::vector<Tensor> all_params() const;
 
  private:
   std::string name_;
@@ -84,6 +98,10 @@ class Adam : public Optimizer {
   Adam(std::vector<Tensor> params, double lr = 1e-3, double beta1 = 0.9, double beta2 = 0.999, double eps = 1e-8,
        double weight_decay = 0, bool amsgrad = false);
   void step() override;
+  // The norm's read pass, then one pass per element over p, grad, m, v (and the AMSGrad maximum)
+  // that scales the gradient by the clip coefficient, writes it back, and updates m, v and p;
+  // threaded over all the parameters at once.
+  double clip_and_step(double max_norm) override;
   double beta1, beta2, eps;
   bool amsgrad;
 
@@ -91,6 +109,11 @@ class Adam : public Optimizer {
   Adam(std::vector<ParamGroup> groups, std::string name, double lr, double beta1, double beta2, double eps,
        double weight_decay, bool amsgrad, bool decoupled);
   bool decoupled_;
+
+ private:
+  // The update of every parameter with a gradient, each gradient first scaled by coef when
+  // coef < 1 (clip_grad_norm's rule; coef >= 1 leaves it as it is).
+  void update(double coef);
 };
 
 class AdamW : public Adam {
@@ -148,9 +171,15 @@ class WarmupCosineLR : public Schedule {
 };
 
 // ---- gradient clipping ----
+// The total L2 norm sqrt(sum_i sum_k grad_i[k]^2) over the gradients of params (parameters without
+// one are skipped), summed in double in a fixed order: each tensor cut into blocks of 2^15
+// elements, each block summed over 16 interleaved lanes, the block sums added in order. The bits
+// depend on the gradients and their order only, not on the thread count. Throws tg::Error for an
+// undefined tensor or a gradient that is not float32 or float64.
+double grad_norm(const std::vector<Tensor>& params);
 // Scales every gradient by max_norm / (total + 1e-6) when the total L2 norm over all of them
-// exceeds max_norm (PyTorch's rule). Returns the total norm before clipping. Parameters without
-// a gradient are ignored.
+// exceeds max_norm (PyTorch's rule). Returns the total norm before clipping (grad_norm). Parameters
+// without a gradient are ignored.
 double clip_grad_norm(const std::vector<Tensor>& params, double max_norm);
 // Clamps every gradient element to [-clip_value, clip_value].
 void clip_grad_value(const std::vector<Tensor>& params, double clip_value);
