@@ -1085,7 +1085,7 @@ TEST_CASE("train_lm with a fixed seed and thread count is bit-reproducible, and 
   }
 
   // 1 vs 2 threads: not identical by design (per-thread partial sums in the norms' parameter
-  // gradients, OpenMP reductions in clip_grad_norm and cross_entropy, OpenBLAS's own blocking), so
+  // gradients, OpenMP reductions in cross_entropy, OpenBLAS's own blocking), so
   // this is reported, not asserted.
   const auto l1 = train_log(dir / "t1_a"), l2 = train_log(dir / "t2_a");
   int same_rows = 0, first_diff = -1;
