@@ -35,16 +35,18 @@
 // held in a float, so each product of two is exact in float32 and the sums are float32 ones; the
 // softmax statistics (m, l, lse, D) and y stay float32. docs/attention.md derives the error bound.
 #include <algorithm>
+#include <bit>
 #include <cassert>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "kernels/bf16.h"
 #include "kernels/fastmath.h"
-#include "kernels/gemm.h"
+#include "kernels/gemm.h"  // Tri
 #include "kernels/parallel.h"
 #include "kernels/reduce.h"
 
@@ -66,9 +68,16 @@ struct AttnDims {
 // rounded to bf16 and held in T (float). out may be x (with ldo = ld).
 template <class T>
 void round_bf16_block(const T* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, T* out, std::int64_t ldo) {
-  for (std::int64_t r = 0; r < rows; ++r)
-    for (std::int64_t c = 0; c < cols; ++c)
-      out[r * ldo + c] = static_cast<T>(to_float(to_bf16(static_cast<float>(x[r * ld + c]))));
+  if constexpr (std::is_same_v<T, float>) {
+    // bf16_round_bits then the lower half cleared: the rounded value as a float, in a loop of
+    // integer operations that vectorises (the array conversion of kernels/bf16.h would make two
+    // passes through a bf16 buffer)
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < cols; ++c)
+        out[r * ldo + c] = std::bit_cast<float>(bf16_round_bits(std::bit_cast<std::uint32_t>(x[r * ld + c])) & 0xFFFF0000u);
+  } else {
+    assert(false && "bf16 operands are float32 only");
+  }
 }
 
 // A tile operand: x itself (leading dimension ld), or its bf16-rounded copy in buf (leading
@@ -91,15 +100,130 @@ inline std::int64_t attn_valid(const AttnDims& d, std::int64_t i, std::int64_t c
   return d.causal ? std::min(bc, i + 1 - c0) : bc;
 }
 
+// ---- tile products ----
+// C (M, N) = op(A) B, or C += op(A) B (acc), for the tiles' sizes (M, N, K up to kAttnTile or hs):
+// op(A)(i, k) = A[i si + k sk] (si = 1 reads a stored tile transposed), B and C row-major. Blocks
+// of 4 rows by up to 4 vectors of C stay in registers over the whole k loop: per k, 4 vector loads
+// of B and 4 broadcasts of A feed 16 multiply-adds, so the loop is bound by the multiply-adds,
+// with no packing pass. (kernels::gemm packs both operands for each call, which at these sizes
+// costs as much as the multiply-adds; bench_kernels' attention cases compare.) The vectors are
+// GCC's vector extension, 64 bytes: one AVX-512 register, two AVX2 or four SSE ones.
+// tri: what the causal mask lets a diagonal tile skip (gemm.h's Tri, same meanings): lower_c
+// computes only columns up to each row block's last row; lower_a (A(i, k) = 0 for k > i) and
+// upper_a (A(i, k) = 0 for k < i) shorten each row block's k range.
+
+template <class T>
+struct TileVec;
+template <>
+struct TileVec<float> {
+  typedef float type __attribute__((vector_size(64), aligned(4)));
+};
+template <>
+struct TileVec<double> {
+  typedef double type __attribute__((vector_size(64), aligned(8)));
+};
+
+// Unaligned vector load and store (memcpy of one register: a single instruction once inlined).
+template <class V, class T>
+[[gnu::always_inline]] inline V vec_load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+template <class V, class T>
+[[gnu::always_inline]] inline void vec_store(T* p, V v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+
+template <class T>
+struct StridedA {
+  const T* p;
+  std::int64_t si, sk;
+};
+
+// Rows [i0, i0 + R) and vectors [n0, n0 + NV W) of C, over k in [k0, k1).
+template <class T, int R, int NV>
+[[gnu::always_inline]] inline void tile_block(StridedA<T> A, std::int64_t i0, const T* B, std::int64_t ldb,
+                                              std::int64_t n0, T* C, std::int64_t ldc, std::int64_t k0,
+                                              std::int64_t k1, bool acc) {
+  using V = typename TileVec<T>::type;
+  constexpr std::int64_t W = sizeof(V) / sizeof(T);
+  V c[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = acc ? vec_load<V>(C + (i0 + r) * ldc + n0 + v * W) : V{};
+  const T* a = A.p + i0 * A.si;
+  for (std::int64_t k = k0; k < k1; ++k) {
+    V b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = vec_load<V>(B + k * ldb + n0 + v * W);
+    for (int r = 0; r < R; ++r) {
+      const T ar = a[r * A.si + k * A.sk];
+      for (int v = 0; v < NV; ++v) c[r][v] += ar * b[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) vec_store(C + (i0 + r) * ldc + n0 + v * W, c[r][v]);
+}
+
+// R rows of C: full vectors in groups of 4, then the remaining vectors, then scalar columns.
+template <class T, int R>
+void tile_rows(StridedA<T> A, std::int64_t i0, const T* B, std::int64_t ldb, std::int64_t N, T* C,
+               std::int64_t ldc, std::int64_t k0, std::int64_t k1, bool acc) {
+  constexpr std::int64_t W = sizeof(typename TileVec<T>::type) / sizeof(T);
+  const std::int64_t nv = N / W * W;
+  std::int64_t n0 = 0;
+  for (; n0 + 4 * W <= nv; n0 += 4 * W) tile_block<T, R, 4>(A, i0, B, ldb, n0, C, ldc, k0, k1, acc);
+  switch ((nv - n0) / W) {
+    case 3: tile_block<T, R, 3>(A, i0, B, ldb, n0, C, ldc, k0, k1, acc); break;
+    case 2: tile_block<T, R, 2>(A, i0, B, ldb, n0, C, ldc, k0, k1, acc); break;
+    case 1: tile_block<T, R, 1>(A, i0, B, ldb, n0, C, ldc, k0, k1, acc); break;
+    default: break;
+  }
+  for (std::int64_t r = 0; r < R; ++r)
+    for (std::int64_t n = nv; n < N; ++n) {
+      T s = acc ? C[(i0 + r) * ldc + n] : T(0);
+      for (std::int64_t k = k0; k < k1; ++k) s += A.p[(i0 + r) * A.si + k * A.sk] * B[k * ldb + n];
+      C[(i0 + r) * ldc + n] = s;
+    }
+}
+
+template <class T>
+void tile_product(Tri tri, std::int64_t M, std::int64_t N, std::int64_t K, StridedA<T> A, const T* B, std::int64_t ldb,
+                  T* C, std::int64_t ldc, bool acc) {
+  for (std::int64_t i0 = 0; i0 < M; i0 += 4) {
+    const std::int64_t rows = std::min<std::int64_t>(4, M - i0), last = i0 + rows;
+    const std::int64_t k0 = tri == Tri::upper_a ? std::min(i0, K) : 0;
+    const std::int64_t k1 = tri == Tri::lower_a ? std::min(last, K) : K;
+    // lower_c: up to the block's last row, rounded up to whole vectors (the extra columns are
+    // unspecified, as gemm_tri's), so no row block falls to the scalar column loop
+    constexpr std::int64_t W = sizeof(typename TileVec<T>::type) / sizeof(T);
+    const std::int64_t n = tri == Tri::lower_c ? std::min((last + W - 1) / W * W, N) : N;
+    switch (rows) {
+      case 4: tile_rows<T, 4>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
+      case 3: tile_rows<T, 3>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
+      case 2: tile_rows<T, 2>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
+      default: tile_rows<T, 1>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
+    }
+  }
+}
+
+// x (rows, cols, leading dimension ld) -> out (cols, rows, leading dimension kAttnTile), each value
+// rounded to bf16 when bf16: k and v tiles transposed for the score products.
+template <class T>
+void transpose_tile(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, T* out) {
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) out[c * kAttnTile + r] = x[r * ld + c];
+  if (bf16) round_bf16_block(out, kAttnTile, cols, rows, out, kAttnTile);
+}
+
 // ---- forward ----
 
 template <class T>
 struct FlashFwdScratch {
-  std::vector<T> s, q, k, v, m, alpha;  // s (Br, Bc): S then P; q, k, v: bf16 copies; m, alpha (Br)
-  std::vector<double> l;                // (Br)
+  std::vector<T> s, q, kt, v, m, alpha;  // s (Br, Bc): S then P; q, v (Br, hs): bf16 copies;
+  std::vector<double> l;                 // kt (hs, Bc): k transposed; m, alpha, l (Br)
   explicit FlashFwdScratch(std::int64_t hs)
-      : s(kAttnTile * kAttnTile), q(kAttnTile * hs), k(kAttnTile * hs), v(kAttnTile * hs), m(kAttnTile), alpha(kAttnTile),
-        l(kAttnTile) {}
+      : s(kAttnTile * kAttnTile), q(kAttnTile * hs), kt(hs * kAttnTile), v(kAttnTile * hs), m(kAttnTile),
+        alpha(kAttnTile), l(kAttnTile) {}
 };
 
 // One row of one key tile in the online softmax: s (n valid of bc) holds q_i . k_j on entry and
@@ -132,11 +256,11 @@ void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int6
   for (std::int64_t c0 = 0; c0 < kend; c0 += kAttnTile) {
     const std::int64_t bc = std::min(kAttnTile, kend - c0);
     const bool diag = d.causal && c0 == r0;  // the tile the mask cuts: br = bc there
-    const TileOperand<T> k = tile_operand(d.bf16, head + C + c0 * ld, ld, bc, hs, w.k.data());
+    transpose_tile(d.bf16, head + C + c0 * ld, ld, bc, hs, w.kt.data());
     const TileOperand<T> v = tile_operand(d.bf16, head + 2 * C + c0 * ld, ld, bc, hs, w.v.data());
     T* s = w.s.data();
-    gemm_tri<T>(diag ? Tri::lower_c : Tri::none, false, true, br, bc, hs, T(1), q.p, q.ld, k.p, k.ld, T(0), s,
-                kAttnTile);  // S = q k^T
+    tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {q.p, q.ld, 1}, w.kt.data(), kAttnTile, s, kAttnTile,
+                    false);  // S = q k^T
     for (std::int64_t r = 0; r < br; ++r)
       online_softmax_row(s + r * kAttnTile, attn_valid(d, r0 + r, c0, bc), bc, sc, w.m[r], w.l[r], w.alpha[r]);
     if (c0 > 0)
@@ -144,8 +268,8 @@ void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int6
         if (w.alpha[r] != T(1))
           for (std::int64_t e = 0; e < hs; ++e) o[r * C + e] *= w.alpha[r];
     if (d.bf16) round_bf16_block(s, kAttnTile, br, bc, s, kAttnTile);
-    gemm_tri<T>(diag ? Tri::lower_a : Tri::none, false, false, br, hs, bc, T(1), s, kAttnTile, v.p, v.ld,
-                c0 > 0 ? T(1) : T(0), o, C);  // o = o alpha + P v
+    tile_product<T>(diag ? Tri::lower_a : Tri::none, br, hs, bc, {s, kAttnTile, 1}, v.p, v.ld, o, C,
+                    c0 > 0);  // o = o alpha + P v
   }
   T* L = lse + (b * d.H + h) * Tn + r0;
   for (std::int64_t r = 0; r < br; ++r) {
@@ -180,25 +304,30 @@ void flash_attention_forward(const T* qkv, T* y, T* lse, const AttnDims& d) {
 
 template <class T>
 struct FlashBwdScratch {
-  std::vector<T> p, pb, dp, D, q, k, v, g;  // p, pb, dp (Br, Bc); D (T); q, k, v, g (T, hs): bf16 copies
-  FlashBwdScratch(std::int64_t Tn, std::int64_t hs, bool bf16)
-      : p(kAttnTile * kAttnTile), pb(bf16 ? kAttnTile * kAttnTile : 0), dp(kAttnTile * kAttnTile), D(Tn),
-        q(bf16 ? Tn * hs : 0), k(q.size()), v(q.size()), g(q.size()) {}
+  std::vector<T> p, pb, dp, kt, vt, D, q, k, v, g;  // p, pb, dp (Br, Bc); kt, vt (hs, Bc): a key tile's k
+  FlashBwdScratch(std::int64_t Tn, std::int64_t hs, bool bf16)  // and v transposed; D (T); q, k, v, g (T, hs):
+      : p(kAttnTile * kAttnTile), pb(bf16 ? kAttnTile * kAttnTile : 0), dp(kAttnTile * kAttnTile),  // bf16 copies
+        kt(hs * kAttnTile), vt(hs * kAttnTile), D(Tn), q(bf16 ? Tn * hs : 0), k(q.size()), v(q.size()), g(q.size()) {}
 };
 
 // One (query tile r0, key tile c0) pair of one head: the five products and the softmax backward.
-// q, k, v, g: the head's operands from row 0 (g: dy); dq, dk, dv: the head's blocks of dqkv from
-// row 0 (leading dimension 3C); L: the head's lse, D its row sums.
+// q, k, g: the head's operands from row 0 (g: dy), w.kt and w.vt the key tile's k and v
+// transposed; dq, dk, dv: the head's blocks of dqkv from row 0 (leading dimension 3C); L: the
+// head's lse, w.D its row sums.
 template <class T>
-void flash_backward_pair(TileOperand<T> q, TileOperand<T> k, TileOperand<T> v, TileOperand<T> g, T* dq, T* dk,
+void flash_backward_pair(TileOperand<T> q, TileOperand<T> k, TileOperand<T> g, T* dq, T* dk,
                          T* dv, const T* L, const AttnDims& d, std::int64_t r0, std::int64_t c0,
                          FlashBwdScratch<T>& w) {
   const std::int64_t hs = d.hs(), ld = 3 * d.C, br = std::min(kAttnTile, d.Tn - r0), bc = std::min(kAttnTile, d.Tn - c0);
   const bool diag = d.causal && c0 == r0;
+  // Each block of dqkv is written (=) by its first product and added to by the rest: dq_i first
+  // at key tile 0, dk_j and dv_j at their key tile's first query tile.
+  const bool first_i = r0 == (d.causal ? c0 : 0);
   const T sc = static_cast<T>(d.scale);
-  const T *qi = q.p + r0 * q.ld, *kj = k.p + c0 * k.ld, *vj = v.p + c0 * v.ld, *gi = g.p + r0 * g.ld;
+  const T *qi = q.p + r0 * q.ld, *kj = k.p + c0 * k.ld, *gi = g.p + r0 * g.ld;
   T *p = w.p.data(), *dp = w.dp.data(), *pb = d.bf16 ? w.pb.data() : p;
-  gemm_tri<T>(diag ? Tri::lower_c : Tri::none, false, true, br, bc, hs, T(1), qi, q.ld, kj, k.ld, T(0), p, kAttnTile);
+  tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {qi, q.ld, 1}, w.kt.data(), kAttnTile, p, kAttnTile,
+                  false);  // S = q_i k_j^T
   for (std::int64_t r = 0; r < br; ++r) {  // P = exp(scale S - lse), 0 where masked
     T* pr = p + r * kAttnTile;
     const std::int64_t n = attn_valid(d, r0 + r, c0, bc);
@@ -207,10 +336,10 @@ void flash_backward_pair(TileOperand<T> q, TileOperand<T> k, TileOperand<T> v, T
     for (std::int64_t j = n; j < bc; ++j) pr[j] = T(0);
   }
   if (d.bf16) round_bf16_block(p, kAttnTile, br, bc, pb, kAttnTile);
-  gemm_tri<T>(diag ? Tri::upper_a : Tri::none, true, false, bc, hs, br, T(1), pb, kAttnTile, gi, g.ld, T(1),
-              dv + c0 * ld, ld);  // dv_j += P^T dy_i
-  gemm_tri<T>(diag ? Tri::lower_c : Tri::none, false, true, br, bc, hs, T(1), gi, g.ld, vj, v.ld, T(0), dp,
-              kAttnTile);  // dP = dy_i v_j^T
+  tile_product<T>(diag ? Tri::upper_a : Tri::none, bc, hs, br, {pb, 1, kAttnTile}, gi, g.ld, dv + c0 * ld, ld,
+                  !first_i);  // dv_j (+)= P^T dy_i
+  tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {gi, g.ld, 1}, w.vt.data(), kAttnTile, dp, kAttnTile,
+                  false);  // dP = dy_i v_j^T
   for (std::int64_t r = 0; r < br; ++r) {  // dS = scale P (dP - D), over dP; 0 where masked
     const T* pr = p + r * kAttnTile;
     T* dr = dp + r * kAttnTile;
@@ -220,10 +349,10 @@ void flash_backward_pair(TileOperand<T> q, TileOperand<T> k, TileOperand<T> v, T
     for (std::int64_t j = n; j < bc; ++j) dr[j] = T(0);
   }
   if (d.bf16) round_bf16_block(dp, kAttnTile, br, bc, dp, kAttnTile);
-  gemm_tri<T>(diag ? Tri::lower_a : Tri::none, false, false, br, hs, bc, T(1), dp, kAttnTile, kj, k.ld, T(1),
-              dq + r0 * ld, ld);  // dq_i += dS k_j
-  gemm_tri<T>(diag ? Tri::upper_a : Tri::none, true, false, bc, hs, br, T(1), dp, kAttnTile, qi, q.ld, T(1),
-              dk + c0 * ld, ld);  // dk_j += dS^T q_i
+  tile_product<T>(diag ? Tri::lower_a : Tri::none, br, hs, bc, {dp, kAttnTile, 1}, kj, k.ld, dq + r0 * ld, ld,
+                  c0 > 0);  // dq_i (+)= dS k_j
+  tile_product<T>(diag ? Tri::upper_a : Tri::none, bc, hs, br, {dp, 1, kAttnTile}, qi, q.ld, dk + c0 * ld, ld,
+                  !first_i);  // dk_j (+)= dS^T q_i
 }
 
 // One (batch, head): its blocks of dqkv, key tiles outside, query tiles inside.
@@ -243,18 +372,21 @@ void flash_backward_head(const T* qkv, const T* y, const T* lse, const T* dy, T*
   const TileOperand<T> g = tile_operand(d.bf16, gy, C, Tn, hs, w.g.data());
   T* dq = dqkv + b * Tn * ld + h * hs;
   const T* L = lse + (b * d.H + h) * Tn;
-  for (std::int64_t c0 = 0; c0 < Tn; c0 += kAttnTile)
+  for (std::int64_t c0 = 0; c0 < Tn; c0 += kAttnTile) {
+    const std::int64_t bc = std::min(kAttnTile, Tn - c0);
+    transpose_tile(false, k.p + c0 * k.ld, k.ld, bc, hs, w.kt.data());
+    transpose_tile(false, v.p + c0 * v.ld, v.ld, bc, hs, w.vt.data());
     for (std::int64_t r0 = d.causal ? c0 : 0; r0 < Tn; r0 += kAttnTile)
-      flash_backward_pair(q, k, v, g, dq, dq + C, dq + 2 * C, L, d, r0, c0, w);
+      flash_backward_pair(q, k, g, dq, dq + C, dq + 2 * C, L, d, r0, c0, w);
+  }
 }
 
 // qkv (B, T, 3C), y (B, T, C), lse (B, H, T), dy (B, T, C) -> dqkv (B, T, 3C)
 template <class T>
 void flash_attention_backward(const T* qkv, const T* y, const T* lse, const T* dy, T* dqkv, const AttnDims& d) {
   assert((!d.bf16 || std::is_same_v<T, float>));
-  // Every element of dqkv belongs to exactly one (b, h) and one of q, k, v: zeroed in one pass,
-  // then every product adds into its block (beta = 1).
-  fill_zero(dqkv, d.B * d.Tn * 3 * d.C);
+  // Every element of dqkv belongs to exactly one (b, h) and one of q, k, v, whose products write
+  // it (flash_backward_pair); with hs = 0, dqkv is empty.
   if (d.hs() == 0) return;
   parallel_for(d.B * d.H, d.B * d.H * d.Tn * d.Tn * d.hs(), [&](std::int64_t lo, std::int64_t hi) {
     FlashBwdScratch<T> w(d.Tn, d.hs(), d.bf16);
