@@ -28,7 +28,8 @@
 // outside and query tiles inside; each item alone writes its rows of y, lse and dqkv, in a fixed
 // order, so the bits do not depend on the number of threads. Causal: key tiles past the query
 // tile's diagonal are not visited; the diagonal tile's products skip what the mask makes zero or
-// unneeded (gemm_tri, kernels/gemm.h), and masked entries of P and dS are written as 0.
+// unneeded (tile_product, with gemm_tri's Tri), and masked entries of P and dS are written as 0.
+// attention_naive_forward / _backward, at the end, are the reference the tests hold these to.
 //
 // bf16 (float32 only, the products of an autocast scope, tapegrad/autocast.h): every product
 // operand (q, k, v, P, dy, dS) is rounded to bfloat16 (nearest, ties to even, kernels/bf16.h) and
@@ -105,22 +106,25 @@ inline std::int64_t attn_valid(const AttnDims& d, std::int64_t i, std::int64_t c
 // op(A)(i, k) = A[i si + k sk] (si = 1 reads a stored tile transposed), B and C row-major. Blocks
 // of 4 rows by up to 4 vectors of C stay in registers over the whole k loop: per k, 4 vector loads
 // of B and 4 broadcasts of A feed 16 multiply-adds, so the loop is bound by the multiply-adds,
-// with no packing pass. (kernels::gemm packs both operands for each call, which at these sizes
-// costs as much as the multiply-adds; bench_kernels' attention cases compare.) The vectors are
-// GCC's vector extension, 64 bytes: one AVX-512 register, two AVX2 or four SSE ones.
+// with no packing pass (kernels::gemm packs op(B) for each call, a pass as long as a quarter of
+// the multiply-adds at these sizes: docs/attention.md has the measurement). The vectors are
+// GCC's vector extension, one register wide.
 // tri: what the causal mask lets a diagonal tile skip (gemm.h's Tri, same meanings): lower_c
 // computes only columns up to each row block's last row; lower_a (A(i, k) = 0 for k > i) and
 // upper_a (A(i, k) = 0 for k < i) shorten each row block's k range.
 
+// The vector width and the vectors per row block follow the build's instruction set (-march;
+// native by default): AVX-512 has 32 registers for 4 x 4 accumulators, AVX2 and SSE 16 for 4 x 2.
+#if defined(__AVX512F__)
+inline constexpr int kTileVecBytes = 64, kTileMaxVecs = 4, kTileRows = 6;
+#elif defined(__AVX__)
+inline constexpr int kTileVecBytes = 32, kTileMaxVecs = 2, kTileRows = 4;
+#else
+inline constexpr int kTileVecBytes = 16, kTileMaxVecs = 2, kTileRows = 4;
+#endif
 template <class T>
-struct TileVec;
-template <>
-struct TileVec<float> {
-  typedef float type __attribute__((vector_size(64), aligned(4)));
-};
-template <>
-struct TileVec<double> {
-  typedef double type __attribute__((vector_size(64), aligned(8)));
+struct TileVec {
+  typedef T type __attribute__((vector_size(kTileVecBytes), aligned(sizeof(T))));
 };
 
 // Unaligned vector load and store (memcpy of one register: a single instruction once inlined).
@@ -164,14 +168,16 @@ template <class T, int R, int NV>
     for (int v = 0; v < NV; ++v) vec_store(C + (i0 + r) * ldc + n0 + v * W, c[r][v]);
 }
 
-// R rows of C: full vectors in groups of 4, then the remaining vectors, then scalar columns.
+// R rows of C: full vectors in groups of kTileMaxVecs, then the remaining vectors, then scalar
+// columns.
 template <class T, int R>
 void tile_rows(StridedA<T> A, std::int64_t i0, const T* B, std::int64_t ldb, std::int64_t N, T* C,
                std::int64_t ldc, std::int64_t k0, std::int64_t k1, bool acc) {
   constexpr std::int64_t W = sizeof(typename TileVec<T>::type) / sizeof(T);
   const std::int64_t nv = N / W * W;
   std::int64_t n0 = 0;
-  for (; n0 + 4 * W <= nv; n0 += 4 * W) tile_block<T, R, 4>(A, i0, B, ldb, n0, C, ldc, k0, k1, acc);
+  for (; n0 + kTileMaxVecs * W <= nv; n0 += kTileMaxVecs * W)
+    tile_block<T, R, kTileMaxVecs>(A, i0, B, ldb, n0, C, ldc, k0, k1, acc);
   switch ((nv - n0) / W) {
     case 3: tile_block<T, R, 3>(A, i0, B, ldb, n0, C, ldc, k0, k1, acc); break;
     case 2: tile_block<T, R, 2>(A, i0, B, ldb, n0, C, ldc, k0, k1, acc); break;
@@ -189,8 +195,8 @@ void tile_rows(StridedA<T> A, std::int64_t i0, const T* B, std::int64_t ldb, std
 template <class T>
 void tile_product(Tri tri, std::int64_t M, std::int64_t N, std::int64_t K, StridedA<T> A, const T* B, std::int64_t ldb,
                   T* C, std::int64_t ldc, bool acc) {
-  for (std::int64_t i0 = 0; i0 < M; i0 += 4) {
-    const std::int64_t rows = std::min<std::int64_t>(4, M - i0), last = i0 + rows;
+  for (std::int64_t i0 = 0; i0 < M; i0 += kTileRows) {
+    const std::int64_t rows = std::min<std::int64_t>(kTileRows, M - i0), last = i0 + rows;
     const std::int64_t k0 = tri == Tri::upper_a ? std::min(i0, K) : 0;
     const std::int64_t k1 = tri == Tri::lower_a ? std::min(last, K) : K;
     // lower_c: up to the block's last row, rounded up to whole vectors (the extra columns are
@@ -198,6 +204,8 @@ void tile_product(Tri tri, std::int64_t M, std::int64_t N, std::int64_t K, Strid
     constexpr std::int64_t W = sizeof(typename TileVec<T>::type) / sizeof(T);
     const std::int64_t n = tri == Tri::lower_c ? std::min((last + W - 1) / W * W, N) : N;
     switch (rows) {
+      case 6: tile_rows<T, 6>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
+      case 5: tile_rows<T, 5>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
       case 4: tile_rows<T, 4>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
       case 3: tile_rows<T, 3>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
       case 2: tile_rows<T, 2>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
@@ -217,12 +225,14 @@ void transpose_tile(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, s
 
 // ---- forward ----
 
+// One thread's forward buffers: s (Br, Bc): S then P; kt (hs, Bc): the key tile's k transposed;
+// q, v (Br, hs): bf16-rounded copies (bf16 only); m, alpha, l (Br): the rows' running statistics.
 template <class T>
 struct FlashFwdScratch {
-  std::vector<T> s, q, kt, v, m, alpha;  // s (Br, Bc): S then P; q, v (Br, hs): bf16 copies;
-  std::vector<double> l;                 // kt (hs, Bc): k transposed; m, alpha, l (Br)
-  explicit FlashFwdScratch(std::int64_t hs)
-      : s(kAttnTile * kAttnTile), q(kAttnTile * hs), kt(hs * kAttnTile), v(kAttnTile * hs), m(kAttnTile),
+  std::vector<T> s, kt, q, v, m, alpha;
+  std::vector<double> l;
+  FlashFwdScratch(std::int64_t hs, bool bf16)
+      : s(kAttnTile * kAttnTile), kt(hs * kAttnTile), q(bf16 ? kAttnTile * hs : 0), v(q.size()), m(kAttnTile),
         alpha(kAttnTile), l(kAttnTile) {}
 };
 
@@ -292,7 +302,7 @@ void flash_attention_forward(const T* qkv, T* y, T* lse, const AttnDims& d) {
     return;
   }
   parallel_for(items, d.B * d.H * d.Tn * d.Tn * hs, [&](std::int64_t lo, std::int64_t hi) {
-    FlashFwdScratch<T> w(hs);
+    FlashFwdScratch<T> w(hs, d.bf16);
     for (std::int64_t it = lo; it < hi; ++it) {
       const std::int64_t bh = it / tiles;
       flash_forward_tile(qkv, y, lse, d, bh / d.H, bh % d.H, it % tiles * kAttnTile, w);
@@ -302,11 +312,14 @@ void flash_attention_forward(const T* qkv, T* y, T* lse, const AttnDims& d) {
 
 // ---- backward ----
 
+// One thread's backward buffers: p, pb, dp (Br, Bc): P, its bf16-rounded copy (bf16 only), dP then
+// dS; kt, vt (hs, Bc): the key tile's k and v transposed; D (T): the rows' dy . y; q, k, v, g
+// (T, hs): the head's bf16-rounded operands (bf16 only).
 template <class T>
 struct FlashBwdScratch {
-  std::vector<T> p, pb, dp, kt, vt, D, q, k, v, g;  // p, pb, dp (Br, Bc); kt, vt (hs, Bc): a key tile's k
-  FlashBwdScratch(std::int64_t Tn, std::int64_t hs, bool bf16)  // and v transposed; D (T); q, k, v, g (T, hs):
-      : p(kAttnTile * kAttnTile), pb(bf16 ? kAttnTile * kAttnTile : 0), dp(kAttnTile * kAttnTile),  // bf16 copies
+  std::vector<T> p, pb, dp, kt, vt, D, q, k, v, g;
+  FlashBwdScratch(std::int64_t Tn, std::int64_t hs, bool bf16)
+      : p(kAttnTile * kAttnTile), pb(bf16 ? kAttnTile * kAttnTile : 0), dp(kAttnTile * kAttnTile),
         kt(hs * kAttnTile), vt(hs * kAttnTile), D(Tn), q(bf16 ? Tn * hs : 0), k(q.size()), v(q.size()), g(q.size()) {}
 };
 
