@@ -65,6 +65,18 @@ struct AttnDims {
   std::int64_t hs() const { return C / H; }
 };
 
+// A head's rows are 3C (or C) apart, pages apart at GPT-2's widths, where the hardware's stride
+// prefetcher does not follow: without a hint each first touch of a row waits for memory (the
+// backward's transposes, bf16 copies and row sums took a quarter of its time so). prefetch_rows
+// asks for rows [r, r + n) of x (cols each, leading dimension ld), clipped to rows.
+inline constexpr std::int64_t kPrefetchAhead = 8;  // rows
+template <class T>
+inline void prefetch_rows(const T* x, std::int64_t ld, std::int64_t r, std::int64_t n, std::int64_t rows,
+                          std::int64_t cols) {
+  for (std::int64_t i = r; i < std::min(r + n, rows); ++i)
+    for (std::int64_t c = 0; c < cols; c += 64 / static_cast<std::int64_t>(sizeof(T))) __builtin_prefetch(x + i * ld + c);
+}
+
 // x (rows, cols, leading dimension ld) -> out (rows, cols, leading dimension ldo): each value
 // rounded to bf16 and held in T (float). out may be x (with ldo = ld).
 template <class T>
@@ -73,9 +85,12 @@ void round_bf16_block(const T* x, std::int64_t ld, std::int64_t rows, std::int64
     // bf16_round_bits then the lower half cleared: the rounded value as a float, in a loop of
     // integer operations that vectorises (the array conversion of kernels/bf16.h would make two
     // passes through a bf16 buffer)
-    for (std::int64_t r = 0; r < rows; ++r)
+    prefetch_rows(x, ld, 0, kPrefetchAhead, rows, cols);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      prefetch_rows(x, ld, r + kPrefetchAhead, 1, rows, cols);
       for (std::int64_t c = 0; c < cols; ++c)
         out[r * ldo + c] = std::bit_cast<float>(bf16_round_bits(std::bit_cast<std::uint32_t>(x[r * ld + c])) & 0xFFFF0000u);
+    }
   } else {
     assert(false && "bf16 operands are float32 only");
   }
@@ -212,18 +227,6 @@ void tile_product(Tri tri, std::int64_t M, std::int64_t N, std::int64_t K, Strid
       default: tile_rows<T, 1>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
     }
   }
-}
-
-// A head's rows are 3C (or C) apart, pages apart at GPT-2's widths, where the hardware's stride
-// prefetcher does not follow: without a hint each first touch of a row waits for memory (the
-// backward's transposes and row sums took a quarter of its time so). prefetch_rows asks for rows
-// [r, r + n) of x (cols each, leading dimension ld), clipped to rows.
-inline constexpr std::int64_t kPrefetchAhead = 8;  // rows
-template <class T>
-inline void prefetch_rows(const T* x, std::int64_t ld, std::int64_t r, std::int64_t n, std::int64_t rows,
-                          std::int64_t cols) {
-  for (std::int64_t i = r; i < std::min(r + n, rows); ++i)
-    for (std::int64_t c = 0; c < cols; c += 64 / static_cast<std::int64_t>(sizeof(T))) __builtin_prefetch(x + i * ld + c);
 }
 
 // x (rows, cols, leading dimension ld) -> out (cols, rows, leading dimension kAttnTile), each value
