@@ -85,12 +85,9 @@ void round_bf16_block(const T* x, std::int64_t ld, std::int64_t rows, std::int64
     // bf16_round_bits then the lower half cleared: the rounded value as a float, in a loop of
     // integer operations that vectorises (the array conversion of kernels/bf16.h would make two
     // passes through a bf16 buffer)
-    prefetch_rows(x, ld, 0, kPrefetchAhead, rows, cols);
-    for (std::int64_t r = 0; r < rows; ++r) {
-      prefetch_rows(x, ld, r + kPrefetchAhead, 1, rows, cols);
+    for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t c = 0; c < cols; ++c)
         out[r * ldo + c] = std::bit_cast<float>(bf16_round_bits(std::bit_cast<std::uint32_t>(x[r * ld + c])) & 0xFFFF0000u);
-    }
   } else {
     assert(false && "bf16 operands are float32 only");
   }
@@ -106,7 +103,11 @@ struct TileOperand {
 template <class T>
 TileOperand<T> tile_operand(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, T* buf) {
   if (!bf16) return {x, ld};
-  round_bf16_block(x, ld, rows, cols, buf, cols);
+  prefetch_rows(x, ld, 0, kPrefetchAhead, rows, cols);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    prefetch_rows(x, ld, r + kPrefetchAhead, 1, rows, cols);
+    round_bf16_block(x + r * ld, ld, 1, cols, buf + r * cols, cols);
+  }
   return {buf, cols};
 }
 
