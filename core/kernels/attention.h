@@ -120,17 +120,18 @@ inline std::int64_t attn_valid(const AttnDims& d, std::int64_t i, std::int64_t c
 // ---- tile products ----
 // C (M, N) = op(A) B, or C += op(A) B (acc), for the tiles' sizes (M, N, K up to kAttnTile or hs):
 // op(A)(i, k) = A[i si + k sk] (si = 1 reads a stored tile transposed), B and C row-major. Blocks
-// of 4 rows by up to 4 vectors of C stay in registers over the whole k loop: per k, 4 vector loads
-// of B and 4 broadcasts of A feed 16 multiply-adds, so the loop is bound by the multiply-adds,
-// with no packing pass (kernels::gemm packs op(B) for each call, a pass as long as a quarter of
-// the multiply-adds at these sizes: docs/attention.md has the measurement). The vectors are
-// GCC's vector extension, one register wide.
+// of R rows by up to NV vectors of C stay in registers over the whole k loop: per k, NV vector
+// loads of B and R broadcasts of A feed R NV multiply-adds (6 x 4: 10 loads for 24 with AVX-512),
+// so the loop is bound by the multiply-adds, with no packing pass (kernels::gemm packs op(B) for
+// each call, a pass as long as a quarter of the multiply-adds at these sizes: docs/attention.md
+// has the measurement). The vectors are GCC's vector extension, one register wide.
 // tri: what the causal mask lets a diagonal tile skip (gemm.h's Tri, same meanings): lower_c
 // computes only columns up to each row block's last row; lower_a (A(i, k) = 0 for k > i) and
 // upper_a (A(i, k) = 0 for k < i) shorten each row block's k range.
 
 // The vector width and the vectors per row block follow the build's instruction set (-march;
-// native by default): AVX-512 has 32 registers for 4 x 4 accumulators, AVX2 and SSE 16 for 4 x 2.
+// native by default): AVX-512's 32 registers hold 6 x 4 accumulators, AVX2's and SSE's 16 hold
+// 4 x 2.
 #if defined(__AVX512F__)
 inline constexpr int kTileVecBytes = 64, kTileMaxVecs = 4, kTileRows = 6;
 #elif defined(__AVX__)
