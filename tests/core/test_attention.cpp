@@ -143,6 +143,38 @@ TEST_CASE("tiled attention kernels equal the naive reference at every tile edge,
     }
 }
 
+TEST_CASE("tiled attention backward, not causal: central differences of sum(dy * y)") {
+  // The op is causal; the kernel's non-causal path gets its own finite-difference check (float64,
+  // T across a tile edge).
+  const Shape4 s{1, kTile + 3, 4, 2};
+  auto [B, T, C, H] = s;
+  const kernels::AttnDims d = dims(s, false);
+  std::vector<double> qkv = values<double>({B, T, 3 * C}, 61);
+  const std::vector<double> dy = values<double>({B, T, C}, 62);
+  const Outputs<double> f = run_flash(qkv, dy, d);
+  auto loss = [&] {
+    std::vector<double> y(dy.size()), lse(static_cast<std::size_t>(B * H * T));
+    kernels::flash_attention_forward(qkv.data(), y.data(), lse.data(), d);
+    double l = 0;
+    for (std::size_t i = 0; i < y.size(); ++i) l += y[i] * dy[i];
+    return l;
+  };
+  const double h = 1e-6;
+  double worst = 0;
+  for (std::size_t i = 0; i < qkv.size(); i += 7) {  // every seventh: all of q, k, v and both heads
+    const double x0 = qkv[i];
+    qkv[i] = x0 + h;
+    const double up = loss();
+    qkv[i] = x0 - h;
+    const double down = loss();
+    qkv[i] = x0;
+    worst = std::max(worst, std::fabs((up - down) / (2 * h) - f.dqkv[i]));
+  }
+  INFO("largest difference " << worst);
+  CHECK(worst < 1e-8);
+  CHECK(*std::max_element(f.dqkv.begin(), f.dqkv.end()) > 0.01);  // gradients of some size
+}
+
 TEST_CASE("tiled attention: equal scores average v, rows across tile edges") {
   // q = 0: every score is 0, so y_i is the mean of v_0 .. v_i (causal) and lse_i = log(i + 1).
   const Shape4 s{1, kTile + 5, 2, 1};
