@@ -66,9 +66,10 @@ struct AttnDims {
 };
 
 // A head's rows are 3C (or C) apart, pages apart at GPT-2's widths, where the hardware's stride
-// prefetcher does not follow: without a hint each first touch of a row waits for memory (the
-// backward's transposes, bf16 copies and row sums took a quarter of its time so). prefetch_rows
-// asks for rows [r, r + n) of x (cols each, leading dimension ld), clipped to rows.
+// prefetcher does not follow: without a hint each first touch of a row waits for memory (a
+// quarter of the backward's time at GPT-2 small's widths, in its transposes, bf16 copies and row
+// sums). prefetch_rows asks for rows [r, r + n) of x (cols each, leading dimension ld), clipped to
+// rows.
 inline constexpr std::int64_t kPrefetchAhead = 8;  // rows
 template <class T>
 inline void prefetch_rows(const T* x, std::int64_t ld, std::int64_t r, std::int64_t n, std::int64_t rows,
