@@ -30,6 +30,15 @@
 //                                large_*: the same twelve products at the GPT-2-small shape (n_embd 768).
 //   peak/<kind>                  the team's multiply-add peak: fma_avx2, fma_avx512, dpbf16, amx_bf16 (peak.cpp);
 //                                scripts/bench prints each gemm_isa product as a fraction of its peak.
+//   attention/<shape>/<pass>     one layer's causal attention through the tiled kernels
+//                                (kernels/attention.h) on a packed qkv: shape B x T x C / H (the
+//                                bench_train defaults, the medium GPT, GPT-2 small), pass fwd
+//                                (forward: y and lse) or bwd (backward: dqkv from qkv, y, lse, dy),
+//                                float32, or fwd_bf16 / bwd_bf16 with the autocast's bf16-rounded
+//                                operands. FLOPS counts the causal multiply-adds actually needed:
+//                                2 products forward, 4 backward (the backward's recomputation of
+//                                S is not counted), T (T + 1) / 2 scores each, 2 flops per
+//                                multiply-add.
 //   tape/chain/<n>               a chain of n small recorded ops (x = x * 1.0001 + 0.0001 on 4 elements,
 //                                2 ops per step, then sum + backward), as torch_kernels.py's tape_case;
 //                                ns_per_op = wall time of forward + backward / n.
@@ -51,6 +60,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -61,6 +71,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/attention.h"
 #include "kernels/gemm.h"
 #include "kernels/isa.h"
 #include "kernels/sgemm_bf16.h"
@@ -476,6 +487,43 @@ void register_medium_products() {
       benchmark::RegisterBenchmark(names[i], bm_peak, peaks[i].first)->UseRealTime()->Unit(benchmark::kMicrosecond);
 }
 
+// ---------------------------------------------------------------- attention
+
+struct AttentionCase {
+  const char* name;
+  i64 B, T, C, H;
+};
+
+void bm_attention(benchmark::State& state, AttentionCase c, bool backward, bool bf16) {
+  const tg::kernels::AttnDims d{c.B, c.T, c.C, c.H, 1.0 / std::sqrt(static_cast<double>(c.C / c.H)), true, bf16};
+  tg::manual_seed(99);
+  const tg::Tensor qkv = tg::randn({c.B, c.T, 3 * c.C}), dy = tg::randn({c.B, c.T, c.C});
+  std::vector<float> y(static_cast<std::size_t>(c.B * c.T * c.C)), lse(static_cast<std::size_t>(c.B * c.H * c.T));
+  std::vector<float> dqkv(static_cast<std::size_t>(qkv.numel()));
+  tg::kernels::flash_attention_forward(qkv.data<float>(), y.data(), lse.data(), d);
+  for (auto _ : state) {
+    if (backward)
+      tg::kernels::flash_attention_backward(qkv.data<float>(), y.data(), lse.data(), dy.data<float>(), dqkv.data(), d);
+    else tg::kernels::flash_attention_forward(qkv.data<float>(), y.data(), lse.data(), d);
+    benchmark::ClobberMemory();
+  }
+  const double mads = static_cast<double>(c.B * c.H * c.T * (c.T + 1) / 2 * (c.C / c.H)) * (backward ? 4 : 2);
+  state.counters["FLOPS"] = benchmark::Counter(2 * mads, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void register_attention() {
+  const AttentionCase cases[] = {{"default", 12, 64, 128, 4}, {"medium", 16, 128, 384, 6}, {"gpt2", 8, 256, 768, 12}};
+  for (const AttentionCase& c : cases) {
+    const std::string s = std::string(c.name) + "/" + std::to_string(c.B) + "x" + std::to_string(c.T) + "x" +
+                          std::to_string(c.C) + "h" + std::to_string(c.H) + "/";
+    for (bool bf16 : {false, true})
+      for (bool bwd : {false, true})
+        benchmark::RegisterBenchmark(("attention/" + s + (bwd ? "bwd" : "fwd") + (bf16 ? "_bf16" : "")).c_str(),
+                                     bm_attention, c, bwd, bf16)
+            ->UseRealTime()->Unit(benchmark::kMillisecond);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -486,6 +534,7 @@ int main(int argc, char** argv) {
   register_norms();
   register_matmuls();
   register_medium_products();
+  register_attention();
   benchmark::RegisterBenchmark("step_products/gpt/tg", bm_step_products, false)->UseRealTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("step_products/gpt/cblas", bm_step_products, true)->UseRealTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("tape/chain/100000", bm_tape, i64{100000})->UseRealTime()->Unit(benchmark::kMillisecond);

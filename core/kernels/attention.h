@@ -1,99 +1,510 @@
 #pragma once
-// Fused multi-head causal self-attention over a packed qkv activation, without copies.
+// Fused multi-head self-attention over a packed qkv activation, tiled as FlashAttention (Dao et
+// al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness",
+// algorithms 1 and 2, in FlashAttention-2's loop order: queries outside, keys inside, in the
+// forward): the (T, T) scores and probabilities exist one (Br, Bc) tile at a time, never whole.
 //
 // Shapes: B batch, T time (Tn in the code, where T is the element type), C channels, H heads,
-// hs = C / H head size.
-//   qkv  (B, T, 3C)    q, k, v side by side: head h of q is columns [h hs, (h+1) hs) of the first
-//                      C, k and v the same blocks of the next two
-//   y    (B, T, C)     the heads' outputs, head h in columns [h hs, (h+1) hs)
-//   P    (B, H, T, T)  the causal softmax probabilities, saved for the backward; 0 above the
-//                      diagonal. Null: the forward keeps each head's in a (T, T) scratch per
-//                      thread and the backward recomputes them the same way (same bits), instead
-//                      of B H T^2 kept from the forward to the backward
-//   dy   (B, T, C)     gradient of y
-//   dqkv (B, T, 3C)    gradient of qkv, laid out as qkv, written (=)
-//   scale              the logits' factor, 1 / sqrt(hs) in a transformer
+// hs = C / H head size, Br = Bc = kAttnTile rows and columns of a tile.
+//   qkv  (B, T, 3C)  q, k, v side by side: head h of q is columns [h hs, (h+1) hs) of the first
+//                    C, k and v the same blocks of the next two
+//   y    (B, T, C)   the heads' outputs, head h in columns [h hs, (h+1) hs); saved for the backward
+//   lse  (B, H, T)   per query row, log sum_j exp(s_ij): all the backward needs of the softmax
+//   dy   (B, T, C)   gradient of y
+//   dqkv (B, T, 3C)  gradient of qkv, laid out as qkv, written (=)
 // The products read the head blocks in place through the leading dimension 3C and write y
-// through leading dimension C, so the split, permute and merge of the composite version cost
-// nothing. Per (batch, head):
-//   S = q k^T * scale (T, T);  P = causal softmax(S);  y = P v.
-// Backward, with dY the head's block of dy:
-//   dP = dY v^T;  dv = P^T dY;  dS = scale * P * (dP - rowsum(dP * P));  dq = dS k;  dk = dS^T q.
-// (batch, head) pairs write disjoint blocks, so they run in parallel; each gemm then runs on one
-// thread, which suits these small products. P and dS are zero above the diagonal and the softmax
-// reads only S's and dP's lower triangle, so every product skips the tiles a triangle makes zero
-// or unneeded (gemm_tri, kernels/gemm.h): about 40% of the multiply-adds at T = 64.
-// The causal softmax pair itself lives in kernels/softmax.h.
+// through leading dimension C.
+//
+// Per (batch, head), with s_ij = scale q_i . k_j over the keys row i sees (j <= i when causal):
+//   forward, per query tile and then per key tile: m_i = max(m_i, max_j s_ij);
+//     l_i = l_i exp(m_old - m_i) + sum_j exp(s_ij - m_i);  o_i = o_i exp(m_old - m_i) + sum_j
+//     exp(s_ij - m_i) v_j;  at the end y_i = o_i / l_i and lse_i = m_i + log l_i. Every rescaling
+//     multiplies o_i and l_i alike, so y_i = sum_j exp(s_ij - m) v_j / sum_j exp(s_ij - m) for the
+//     final m: the softmax, whatever the order of the tiles.
+//   backward, with P_ij = exp(s_ij - lse_i) recomputed per tile and D_i = dy_i . y_i
+//     (= sum_j P_ij dP_ij, the softmax backward's row sum):
+//     dv_j += P^T dy;  dP = dy v^T;  dS = scale P * (dP - D);  dq_i += dS k;  dk_j += dS^T q.
+// Work: forward items are (batch, head, query tile), backward items (batch, head) with key tiles
+// outside and query tiles inside; each item alone writes its rows of y, lse and dqkv, in a fixed
+// order, so the bits do not depend on the number of threads. Causal: key tiles past the query
+// tile's diagonal are not visited; the diagonal tile's products skip what the mask makes zero or
+// unneeded (tile_product, with gemm_tri's Tri), and masked entries of P and dS are written as 0.
+// attention_naive_forward / _backward, at the end, are the reference the tests hold these to.
+//
+// bf16 (float32 only, the products of an autocast scope, tapegrad/autocast.h): every product
+// operand (q, k, v, P, dy, dS) is rounded to bfloat16 (nearest, ties to even, kernels/bf16.h) and
+// held in a float, so each product of two is exact in float32 and the sums are float32 ones; the
+// softmax statistics (m, l, lse, D) and y stay float32. docs/attention.md derives the error bound.
+#include <algorithm>
+#include <bit>
+#include <cassert>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
-#include "kernels/gemm.h"
+#include "kernels/bf16.h"
+#include "kernels/fastmath.h"
+#include "kernels/gemm.h"  // Tri
 #include "kernels/parallel.h"
-#include "kernels/softmax.h"
+#include "kernels/reduce.h"
 
 namespace tg::kernels {
 
-// One head's probabilities: P = causal softmax(q k^T * scale) (T, T), q and k the head's blocks
-// of qkv (leading dimension 3C); 0 above the diagonal.
+inline constexpr std::int64_t kAttnTile = 64;  // Br = Bc
+
+// The problem: shapes, the logits' factor (1 / sqrt(hs) in a transformer), the mask, and whether
+// the products take bf16-rounded operands (T = float only).
+struct AttnDims {
+  std::int64_t B, Tn, C, H;
+  double scale;
+  bool causal;
+  bool bf16;
+  std::int64_t hs() const { return C / H; }
+};
+
+// A head's rows are 3C (or C) apart, pages apart at GPT-2's widths, where the hardware's stride
+// prefetcher does not follow: without a hint each first touch of a row waits for memory (a
+// quarter of the backward's time at GPT-2 small's widths, in its transposes, bf16 copies and row
+// sums). prefetch_rows asks for rows [r, r + n) of x (cols each, leading dimension ld), clipped to
+// rows.
+inline constexpr std::int64_t kPrefetchAhead = 8;  // rows
 template <class T>
-void attention_probs(const T* q, T* p, std::int64_t Tn, std::int64_t C, std::int64_t hs, double scale) {
-  const std::int64_t ld = 3 * C;
-  gemm_tri<T>(Tri::lower_c, false, true, Tn, Tn, hs, T(1), q, ld, q + C, ld, T(0), p, Tn);  // S = q k^T, j <= i
-  causal_softmax_forward(p, p, Tn, Tn, scale);                                          // in place, row i sees j <= i
+inline void prefetch_rows(const T* x, std::int64_t ld, std::int64_t r, std::int64_t n, std::int64_t rows,
+                          std::int64_t cols) {
+  for (std::int64_t i = r; i < std::min(r + n, rows); ++i)
+    for (std::int64_t c = 0; c < cols; c += 64 / static_cast<std::int64_t>(sizeof(T))) __builtin_prefetch(x + i * ld + c);
 }
 
-// qkv (B, T, 3C) -> y (B, T, C), P (B, H, T, T) (or null)
+// x (rows, cols, leading dimension ld) -> out (rows, cols, leading dimension ldo): each value
+// rounded to bf16 and held in T (float). out may be x (with ldo = ld).
 template <class T>
-void attention_forward(const T* qkv, T* y, T* P, std::int64_t B, std::int64_t Tn, std::int64_t C, std::int64_t H,
-                       double scale) {
-  const std::int64_t hs = C / H, ld = 3 * C;
-  // y is zeroed in one pass and each head's P v added into its column block (beta = 1): a
-  // beta = 0 product into a strided block zero-fills it row by row, T small memsets per head.
-  fill_zero(y, B * Tn * C);
-  parallel_for(B * H, B * H * Tn * Tn * hs, [&](std::int64_t lo, std::int64_t hi) {
-    std::vector<T> scratch(P ? 0 : static_cast<std::size_t>(Tn * Tn));
-    for (std::int64_t bh = lo; bh < hi; ++bh) {
-      const std::int64_t b = bh / H, h = bh % H;
-      const T* q = qkv + b * Tn * ld + h * hs;
-      const T* v = q + 2 * C;
-      T* p = P ? P + bh * Tn * Tn : scratch.data();
-      attention_probs(q, p, Tn, C, hs, scale);
-      gemm_tri<T>(Tri::lower_a, false, false, Tn, hs, Tn, T(1), p, Tn, v, ld, T(1), y + b * Tn * C + h * hs, C);
+void round_bf16_block(const T* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, T* out, std::int64_t ldo) {
+  if constexpr (std::is_same_v<T, float>) {
+    // bf16_round_bits then the lower half cleared: the rounded value as a float, in a loop of
+    // integer operations that vectorises (the array conversion of kernels/bf16.h would make two
+    // passes through a bf16 buffer)
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < cols; ++c)
+        out[r * ldo + c] = std::bit_cast<float>(bf16_round_bits(std::bit_cast<std::uint32_t>(x[r * ld + c])) & 0xFFFF0000u);
+  } else {
+    assert(false && "bf16 operands are float32 only");
+  }
+}
+
+// A tile operand: x itself (leading dimension ld), or its bf16-rounded copy in buf (leading
+// dimension cols).
+template <class T>
+struct TileOperand {
+  const T* p;
+  std::int64_t ld;
+};
+template <class T>
+TileOperand<T> tile_operand(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, T* buf) {
+  if (!bf16) return {x, ld};
+  prefetch_rows(x, ld, 0, kPrefetchAhead, rows, cols);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    prefetch_rows(x, ld, r + kPrefetchAhead, 1, rows, cols);
+    round_bf16_block(x + r * ld, ld, 1, cols, buf + r * cols, cols);
+  }
+  return {buf, cols};
+}
+
+// Valid keys of query row i in the key tile starting at c0 of width bc (at least 1 when causal:
+// tiles start at multiples of kAttnTile, so c0 <= the tile's first row <= i).
+inline std::int64_t attn_valid(const AttnDims& d, std::int64_t i, std::int64_t c0, std::int64_t bc) {
+  return d.causal ? std::min(bc, i + 1 - c0) : bc;
+}
+
+// ---- tile products ----
+// C (M, N) = op(A) B, or C += op(A) B (acc), for the tiles' sizes (M, N, K up to kAttnTile or hs):
+// op(A)(i, k) = A[i si + k sk] (si = 1 reads a stored tile transposed), B and C row-major. Blocks
+// of R rows by up to NV vectors of C stay in registers over the whole k loop: per k, NV vector
+// loads of B and R broadcasts of A feed R NV multiply-adds (6 x 4: 10 loads for 24 with AVX-512),
+// so the loop is bound by the multiply-adds, with no packing pass (kernels::gemm packs op(B) for
+// each call, a pass as long as a quarter of the multiply-adds at these sizes: docs/attention.md
+// has the measurement). The vectors are GCC's vector extension, one register wide.
+// tri: what the causal mask lets a diagonal tile skip (gemm.h's Tri, same meanings): lower_c
+// computes only columns up to each row block's last row; lower_a (A(i, k) = 0 for k > i) and
+// upper_a (A(i, k) = 0 for k < i) shorten each row block's k range.
+
+// The vector width and the vectors per row block follow the build's instruction set (-march;
+// native by default): AVX-512's 32 registers hold 6 x 4 accumulators, AVX2's and SSE's 16 hold
+// 4 x 2.
+#if defined(__AVX512F__)
+inline constexpr int kTileVecBytes = 64, kTileMaxVecs = 4, kTileRows = 6;
+#elif defined(__AVX__)
+inline constexpr int kTileVecBytes = 32, kTileMaxVecs = 2, kTileRows = 4;
+#else
+inline constexpr int kTileVecBytes = 16, kTileMaxVecs = 2, kTileRows = 4;
+#endif
+template <class T>
+struct TileVec {
+  typedef T type __attribute__((vector_size(kTileVecBytes), aligned(sizeof(T))));
+};
+
+// Unaligned vector load and store (memcpy of one register: a single instruction once inlined).
+template <class V, class T>
+[[gnu::always_inline]] inline V vec_load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+template <class V, class T>
+[[gnu::always_inline]] inline void vec_store(T* p, V v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+
+template <class T>
+struct StridedA {
+  const T* p;
+  std::int64_t si, sk;
+};
+
+// Rows [i0, i0 + R) and vectors [n0, n0 + NV W) of C, over k in [k0, k1).
+template <class T, int R, int NV>
+[[gnu::always_inline]] inline void tile_block(StridedA<T> A, std::int64_t i0, const T* B, std::int64_t ldb,
+                                              std::int64_t n0, T* C, std::int64_t ldc, std::int64_t k0,
+                                              std::int64_t k1, bool acc) {
+  using V = typename TileVec<T>::type;
+  constexpr std::int64_t W = sizeof(V) / sizeof(T);
+  V c[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = acc ? vec_load<V>(C + (i0 + r) * ldc + n0 + v * W) : V{};
+  const T* a = A.p + i0 * A.si;
+  for (std::int64_t k = k0; k < k1; ++k) {
+    V b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = vec_load<V>(B + k * ldb + n0 + v * W);
+    for (int r = 0; r < R; ++r) {
+      const T ar = a[r * A.si + k * A.sk];
+      for (int v = 0; v < NV; ++v) c[r][v] += ar * b[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) vec_store(C + (i0 + r) * ldc + n0 + v * W, c[r][v]);
+}
+
+// R rows of C: full vectors in groups of kTileMaxVecs, then the remaining vectors, then scalar
+// columns.
+template <class T, int R>
+void tile_rows(StridedA<T> A, std::int64_t i0, const T* B, std::int64_t ldb, std::int64_t N, T* C,
+               std::int64_t ldc, std::int64_t k0, std::int64_t k1, bool acc) {
+  constexpr std::int64_t W = sizeof(typename TileVec<T>::type) / sizeof(T);
+  const std::int64_t nv = N / W * W;
+  std::int64_t n0 = 0;
+  for (; n0 + kTileMaxVecs * W <= nv; n0 += kTileMaxVecs * W)
+    tile_block<T, R, kTileMaxVecs>(A, i0, B, ldb, n0, C, ldc, k0, k1, acc);
+  switch ((nv - n0) / W) {
+    case 3: tile_block<T, R, 3>(A, i0, B, ldb, n0, C, ldc, k0, k1, acc); break;
+    case 2: tile_block<T, R, 2>(A, i0, B, ldb, n0, C, ldc, k0, k1, acc); break;
+    case 1: tile_block<T, R, 1>(A, i0, B, ldb, n0, C, ldc, k0, k1, acc); break;
+    default: break;
+  }
+  for (std::int64_t r = 0; r < R; ++r)
+    for (std::int64_t n = nv; n < N; ++n) {
+      T s = acc ? C[(i0 + r) * ldc + n] : T(0);
+      for (std::int64_t k = k0; k < k1; ++k) s += A.p[(i0 + r) * A.si + k * A.sk] * B[k * ldb + n];
+      C[(i0 + r) * ldc + n] = s;
+    }
+}
+
+template <class T>
+void tile_product(Tri tri, std::int64_t M, std::int64_t N, std::int64_t K, StridedA<T> A, const T* B, std::int64_t ldb,
+                  T* C, std::int64_t ldc, bool acc) {
+  for (std::int64_t i0 = 0; i0 < M; i0 += kTileRows) {
+    const std::int64_t rows = std::min<std::int64_t>(kTileRows, M - i0), last = i0 + rows;
+    const std::int64_t k0 = tri == Tri::upper_a ? std::min(i0, K) : 0;
+    const std::int64_t k1 = tri == Tri::lower_a ? std::min(last, K) : K;
+    // lower_c: up to the block's last row, rounded up to whole vectors (the extra columns are
+    // unspecified, as gemm_tri's), so no row block falls to the scalar column loop
+    constexpr std::int64_t W = sizeof(typename TileVec<T>::type) / sizeof(T);
+    const std::int64_t n = tri == Tri::lower_c ? std::min((last + W - 1) / W * W, N) : N;
+    switch (rows) {
+      case 6: tile_rows<T, 6>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
+      case 5: tile_rows<T, 5>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
+      case 4: tile_rows<T, 4>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
+      case 3: tile_rows<T, 3>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
+      case 2: tile_rows<T, 2>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
+      default: tile_rows<T, 1>(A, i0, B, ldb, n, C, ldc, k0, k1, acc); break;
+    }
+  }
+}
+
+// x (rows, cols, leading dimension ld) -> out (cols, rows, leading dimension kAttnTile), each value
+// rounded to bf16 when bf16: k and v tiles transposed for the score products.
+template <class T>
+void transpose_tile(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, T* out) {
+  prefetch_rows(x, ld, 0, kPrefetchAhead, rows, cols);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    prefetch_rows(x, ld, r + kPrefetchAhead, 1, rows, cols);
+    for (std::int64_t c = 0; c < cols; ++c) out[c * kAttnTile + r] = x[r * ld + c];
+  }
+  if (bf16) round_bf16_block(out, kAttnTile, cols, rows, out, kAttnTile);
+}
+
+// ---- forward ----
+
+// One thread's forward buffers: s (Br, Bc): S then P; kt (hs, Bc): the key tile's k transposed;
+// q, v (Br, hs): bf16-rounded copies (bf16 only); m, alpha, l (Br): the rows' running statistics.
+template <class T>
+struct FlashFwdScratch {
+  std::vector<T> s, kt, q, v, m, alpha;
+  std::vector<double> l;
+  FlashFwdScratch(std::int64_t hs, bool bf16)
+      : s(kAttnTile * kAttnTile), kt(hs * kAttnTile), q(bf16 ? kAttnTile * hs : 0), v(q.size()), m(kAttnTile),
+        alpha(kAttnTile), l(kAttnTile) {}
+};
+
+// One row of one key tile in the online softmax: s (n valid of bc) holds q_i . k_j on entry and
+// exp(scale q_i . k_j - m_i) (0 past n) on return; m, l updated, alpha = exp(m_old - m_new).
+template <class T>
+void online_softmax_row(T* s, std::int64_t n, std::int64_t bc, T sc, T& m, double& l, T& alpha) {
+  // The scaled scores are stored (rounded) before the maximum is taken, so that the largest minus
+  // the maximum is exactly 0 (kernels/softmax.h's causal_softmax_row says why).
+  for (std::int64_t j = 0; j < n; ++j) s[j] *= sc;
+  const T mt = row_max(s, n);
+  const T mn = mt > m ? mt : m;
+  alpha = m == mn ? T(1) : fast_exp(m - mn);  // m = -inf on the first tile: alpha = 0, unused
+  l = l * alpha + exp_shifted(s, mn, s, n);
+  m = mn;
+  for (std::int64_t j = n; j < bc; ++j) s[j] = T(0);
+}
+
+// One (batch, head, query tile starting at row r0): y's and lse's rows r0 .. r0 + br.
+template <class T>
+void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int64_t b, std::int64_t h,
+                        std::int64_t r0, FlashFwdScratch<T>& w) {
+  const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), ld = 3 * C, br = std::min(kAttnTile, Tn - r0);
+  const T* head = qkv + b * Tn * ld + h * hs;  // q of row 0; k at + C, v at + 2C
+  T* o = y + (b * Tn + r0) * C + h * hs;
+  const T sc = static_cast<T>(d.scale);
+  const TileOperand<T> q = tile_operand(d.bf16, head + r0 * ld, ld, br, hs, w.q.data());
+  const std::int64_t kend = d.causal ? r0 + br : Tn;
+  std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<T>::infinity());
+  std::fill(w.l.begin(), w.l.end(), 0.0);
+  for (std::int64_t c0 = 0; c0 < kend; c0 += kAttnTile) {
+    const std::int64_t bc = std::min(kAttnTile, kend - c0);
+    const bool diag = d.causal && c0 == r0;  // the tile the mask cuts: br = bc there
+    transpose_tile(d.bf16, head + C + c0 * ld, ld, bc, hs, w.kt.data());
+    const TileOperand<T> v = tile_operand(d.bf16, head + 2 * C + c0 * ld, ld, bc, hs, w.v.data());
+    T* s = w.s.data();
+    tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {q.p, q.ld, 1}, w.kt.data(), kAttnTile, s, kAttnTile,
+                    false);  // S = q k^T
+    for (std::int64_t r = 0; r < br; ++r)
+      online_softmax_row(s + r * kAttnTile, attn_valid(d, r0 + r, c0, bc), bc, sc, w.m[r], w.l[r], w.alpha[r]);
+    if (c0 > 0)
+      for (std::int64_t r = 0; r < br; ++r)
+        if (w.alpha[r] != T(1))
+          for (std::int64_t e = 0; e < hs; ++e) o[r * C + e] *= w.alpha[r];
+    if (d.bf16) round_bf16_block(s, kAttnTile, br, bc, s, kAttnTile);
+    tile_product<T>(diag ? Tri::lower_a : Tri::none, br, hs, bc, {s, kAttnTile, 1}, v.p, v.ld, o, C,
+                    c0 > 0);  // o = o alpha + P v
+  }
+  T* L = lse + (b * d.H + h) * Tn + r0;
+  for (std::int64_t r = 0; r < br; ++r) {
+    const T inv = static_cast<T>(1.0 / w.l[r]);
+    for (std::int64_t e = 0; e < hs; ++e) o[r * C + e] *= inv;
+    L[r] = static_cast<T>(w.m[r] + std::log(w.l[r]));
+  }
+}
+
+// qkv (B, T, 3C) -> y (B, T, C), lse (B, H, T)
+template <class T>
+void flash_attention_forward(const T* qkv, T* y, T* lse, const AttnDims& d) {
+  assert((!d.bf16 || std::is_same_v<T, float>));
+  const std::int64_t hs = d.hs(), tiles = (d.Tn + kAttnTile - 1) / kAttnTile, items = d.B * d.H * tiles;
+  if (hs == 0) {  // no channels: y is empty, and each row's softmax over zero scores is uniform
+    for (std::int64_t r = 0; r < d.B * d.H * d.Tn; ++r) {
+      const std::int64_t i = r % d.Tn;
+      lse[r] = static_cast<T>(std::log(static_cast<double>(d.causal ? i + 1 : d.Tn)));
+    }
+    return;
+  }
+  parallel_for(items, d.B * d.H * d.Tn * d.Tn * hs, [&](std::int64_t lo, std::int64_t hi) {
+    FlashFwdScratch<T> w(hs, d.bf16);
+    for (std::int64_t it = lo; it < hi; ++it) {
+      const std::int64_t bh = it / tiles;
+      flash_forward_tile(qkv, y, lse, d, bh / d.H, bh % d.H, it % tiles * kAttnTile, w);
     }
   });
 }
 
-// qkv (B, T, 3C), P (B, H, T, T) (or null: recomputed), dy (B, T, C) -> dqkv (B, T, 3C)
+// ---- backward ----
+
+// One thread's backward buffers: p, pb, dp (Br, Bc): P, its bf16-rounded copy (bf16 only), dP then
+// dS; kt, vt (hs, Bc): the key tile's k and v transposed; D (T): the rows' dy . y; q, k, v, g
+// (T, hs): the head's bf16-rounded operands (bf16 only).
 template <class T>
-void attention_backward(const T* qkv, const T* P, const T* dy, T* dqkv, std::int64_t B, std::int64_t Tn,
-                        std::int64_t C, std::int64_t H, double scale) {
-  const std::int64_t hs = C / H, ld = 3 * C;
-  // Every element of dqkv belongs to exactly one (b, h) and one of q, k, v. It is zeroed in one
-  // pass first (as y in the forward), and every product adds into its block (beta = 1).
-  fill_zero(dqkv, B * Tn * 3 * C);
-  parallel_for(B * H, B * H * Tn * Tn * hs, [&](std::int64_t lo, std::int64_t hi) {
-    std::vector<T> dS(static_cast<std::size_t>(Tn * Tn)), scratch(P ? 0 : static_cast<std::size_t>(Tn * Tn));
-    for (std::int64_t bh = lo; bh < hi; ++bh) {
-      const std::int64_t b = bh / H, h = bh % H;
-      const T* q = qkv + b * Tn * ld + h * hs;
-      const T* k = q + C;
-      const T* v = q + 2 * C;
-      T* dq = dqkv + b * Tn * ld + h * hs;
-      T* dk = dq + C;
-      T* dv = dq + 2 * C;
-      const T* p = P ? P + bh * Tn * Tn : scratch.data();
-      if (!P) attention_probs(q, scratch.data(), Tn, C, hs, scale);
-      const T* g = dy + b * Tn * C + h * hs;
-      T* ds = dS.data();
-      gemm_tri<T>(Tri::lower_c, false, true, Tn, Tn, hs, T(1), g, C, v, ld, T(0), ds, Tn);  // dP = dY v^T, j <= i
-      gemm_tri<T>(Tri::upper_a, true, false, Tn, hs, Tn, T(1), p, Tn, g, C, T(1), dv, ld);  // dv += P^T dY
-      // dS = scale * P * (dP - rowsum(dP * P)), in place over dP, 0 where masked: the scaled
-      // causal softmax's backward (serial here, inside the parallel loop over heads)
-      causal_softmax_backward(p, ds, ds, Tn, Tn, scale);
-      gemm_tri<T>(Tri::lower_a, false, false, Tn, hs, Tn, T(1), ds, Tn, k, ld, T(1), dq, ld);  // dq += dS k
-      gemm_tri<T>(Tri::upper_a, true, false, Tn, hs, Tn, T(1), ds, Tn, q, ld, T(1), dk, ld);  // dk += dS^T q
-    }
+struct FlashBwdScratch {
+  std::vector<T> p, pb, dp, kt, vt, D, q, k, v, g;
+  FlashBwdScratch(std::int64_t Tn, std::int64_t hs, bool bf16)
+      : p(kAttnTile * kAttnTile), pb(bf16 ? kAttnTile * kAttnTile : 0), dp(kAttnTile * kAttnTile),
+        kt(hs * kAttnTile), vt(hs * kAttnTile), D(Tn), q(bf16 ? Tn * hs : 0), k(q.size()), v(q.size()), g(q.size()) {}
+};
+
+// One (query tile r0, key tile c0) pair of one head: the five products and the softmax backward.
+// q, k, g: the head's operands from row 0 (g: dy), w.kt and w.vt the key tile's k and v
+// transposed; dq, dk, dv: the head's blocks of dqkv from row 0 (leading dimension 3C); L: the
+// head's lse, w.D its row sums.
+template <class T>
+void flash_backward_pair(TileOperand<T> q, TileOperand<T> k, TileOperand<T> g, T* dq, T* dk,
+                         T* dv, const T* L, const AttnDims& d, std::int64_t r0, std::int64_t c0,
+                         FlashBwdScratch<T>& w) {
+  const std::int64_t hs = d.hs(), ld = 3 * d.C, br = std::min(kAttnTile, d.Tn - r0), bc = std::min(kAttnTile, d.Tn - c0);
+  const bool diag = d.causal && c0 == r0;
+  // Each block of dqkv is written (=) by its first product and added to by the rest: dq_i first
+  // at key tile 0, dk_j and dv_j at their key tile's first query tile.
+  const bool first_i = r0 == (d.causal ? c0 : 0);
+  const T sc = static_cast<T>(d.scale);
+  const T *qi = q.p + r0 * q.ld, *kj = k.p + c0 * k.ld, *gi = g.p + r0 * g.ld;
+  T *p = w.p.data(), *dp = w.dp.data(), *pb = d.bf16 ? w.pb.data() : p;
+  tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {qi, q.ld, 1}, w.kt.data(), kAttnTile, p, kAttnTile,
+                  false);  // S = q_i k_j^T
+  for (std::int64_t r = 0; r < br; ++r) {  // P = exp(scale S - lse), 0 where masked
+    T* pr = p + r * kAttnTile;
+    const std::int64_t n = attn_valid(d, r0 + r, c0, bc);
+    for (std::int64_t j = 0; j < n; ++j) pr[j] *= sc;  // rounded as in the forward
+    for (std::int64_t j = 0; j < n; ++j) pr[j] = fast_exp(pr[j] - L[r0 + r]);
+    for (std::int64_t j = n; j < bc; ++j) pr[j] = T(0);
+  }
+  if (d.bf16) round_bf16_block(p, kAttnTile, br, bc, pb, kAttnTile);
+  tile_product<T>(diag ? Tri::upper_a : Tri::none, bc, hs, br, {pb, 1, kAttnTile}, gi, g.ld, dv + c0 * ld, ld,
+                  !first_i);  // dv_j (+)= P^T dy_i
+  tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {gi, g.ld, 1}, w.vt.data(), kAttnTile, dp, kAttnTile,
+                  false);  // dP = dy_i v_j^T
+  for (std::int64_t r = 0; r < br; ++r) {  // dS = scale P (dP - D), over dP; 0 where masked
+    const T* pr = p + r * kAttnTile;
+    T* dr = dp + r * kAttnTile;
+    const T Di = w.D[static_cast<std::size_t>(r0 + r)];
+    const std::int64_t n = attn_valid(d, r0 + r, c0, bc);
+    for (std::int64_t j = 0; j < n; ++j) dr[j] = sc * pr[j] * (dr[j] - Di);
+    for (std::int64_t j = n; j < bc; ++j) dr[j] = T(0);
+  }
+  if (d.bf16) round_bf16_block(dp, kAttnTile, br, bc, dp, kAttnTile);
+  tile_product<T>(diag ? Tri::lower_a : Tri::none, br, hs, bc, {dp, kAttnTile, 1}, kj, k.ld, dq + r0 * ld, ld,
+                  c0 > 0);  // dq_i (+)= dS k_j
+  tile_product<T>(diag ? Tri::upper_a : Tri::none, bc, hs, br, {dp, 1, kAttnTile}, qi, q.ld, dk + c0 * ld, ld,
+                  !first_i);  // dk_j (+)= dS^T q_i
+}
+
+// One (batch, head): its blocks of dqkv, key tiles outside, query tiles inside.
+template <class T>
+void flash_backward_head(const T* qkv, const T* y, const T* lse, const T* dy, T* dqkv, const AttnDims& d,
+                         std::int64_t b, std::int64_t h, FlashBwdScratch<T>& w) {
+  const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), ld = 3 * C;
+  const T* head = qkv + b * Tn * ld + h * hs;
+  const T* gy = dy + b * Tn * C + h * hs;
+  const T* yy = y + b * Tn * C + h * hs;
+  for (std::int64_t i = 0; i < Tn; ++i) {  // D_i = dy_i . y_i
+    prefetch_rows(gy, C, i + kPrefetchAhead, 1, Tn, hs);
+    prefetch_rows(yy, C, i + kPrefetchAhead, 1, Tn, hs);
+    w.D[static_cast<std::size_t>(i)] = static_cast<T>(
+        sum16(hs, [&](std::int64_t e) { return static_cast<double>(gy[i * C + e]) * yy[i * C + e]; }));
+  }
+  const TileOperand<T> q = tile_operand(d.bf16, head, ld, Tn, hs, w.q.data());
+  const TileOperand<T> k = tile_operand(d.bf16, head + C, ld, Tn, hs, w.k.data());
+  const TileOperand<T> v = tile_operand(d.bf16, head + 2 * C, ld, Tn, hs, w.v.data());
+  const TileOperand<T> g = tile_operand(d.bf16, gy, C, Tn, hs, w.g.data());
+  T* dq = dqkv + b * Tn * ld + h * hs;
+  const T* L = lse + (b * d.H + h) * Tn;
+  for (std::int64_t c0 = 0; c0 < Tn; c0 += kAttnTile) {
+    const std::int64_t bc = std::min(kAttnTile, Tn - c0);
+    transpose_tile(false, k.p + c0 * k.ld, k.ld, bc, hs, w.kt.data());
+    transpose_tile(false, v.p + c0 * v.ld, v.ld, bc, hs, w.vt.data());
+    for (std::int64_t r0 = d.causal ? c0 : 0; r0 < Tn; r0 += kAttnTile)
+      flash_backward_pair(q, k, g, dq, dq + C, dq + 2 * C, L, d, r0, c0, w);
+  }
+}
+
+// qkv (B, T, 3C), y (B, T, C), lse (B, H, T), dy (B, T, C) -> dqkv (B, T, 3C)
+template <class T>
+void flash_attention_backward(const T* qkv, const T* y, const T* lse, const T* dy, T* dqkv, const AttnDims& d) {
+  assert((!d.bf16 || std::is_same_v<T, float>));
+  // Every element of dqkv belongs to exactly one (b, h) and one of q, k, v, whose products write
+  // it (flash_backward_pair); with hs = 0, dqkv is empty.
+  if (d.hs() == 0) return;
+  parallel_for(d.B * d.H, d.B * d.H * d.Tn * d.Tn * d.hs(), [&](std::int64_t lo, std::int64_t hi) {
+    FlashBwdScratch<T> w(d.Tn, d.hs(), d.bf16);
+    for (std::int64_t bh = lo; bh < hi; ++bh) flash_backward_head(qkv, y, lse, dy, dqkv, d, bh / d.H, bh % d.H, w);
   });
+}
+
+// ---- the naive reference: whole rows of scores, sums in double ----
+
+// qkv (B, T, 3C) -> y (B, T, C), lse (B, H, T); d.bf16 is ignored (exact operands).
+template <class T>
+void attention_naive_forward(const T* qkv, T* y, T* lse, const AttnDims& d) {
+  const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), ld = 3 * C;
+  std::vector<double> z(static_cast<std::size_t>(Tn));
+  for (std::int64_t b = 0; b < d.B; ++b)
+    for (std::int64_t h = 0; h < d.H; ++h)
+      for (std::int64_t i = 0; i < Tn; ++i) {
+        const T* qi = qkv + (b * Tn + i) * ld + h * hs;
+        const std::int64_t n = d.causal ? i + 1 : Tn;
+        double m = -std::numeric_limits<double>::infinity(), l = 0;
+        for (std::int64_t j = 0; j < n; ++j) {
+          const T* kj = qkv + (b * Tn + j) * ld + C + h * hs;
+          double s = 0;
+          for (std::int64_t e = 0; e < hs; ++e) s += static_cast<double>(qi[e]) * kj[e];
+          z[static_cast<std::size_t>(j)] = s * d.scale;
+          m = std::max(m, s * d.scale);
+        }
+        for (std::int64_t j = 0; j < n; ++j) l += std::exp(z[static_cast<std::size_t>(j)] - m);
+        for (std::int64_t e = 0; e < hs; ++e) {
+          double acc = 0;
+          for (std::int64_t j = 0; j < n; ++j)
+            acc += std::exp(z[static_cast<std::size_t>(j)] - m) * qkv[(b * Tn + j) * ld + 2 * C + h * hs + e];
+          y[(b * Tn + i) * C + h * hs + e] = static_cast<T>(acc / l);
+        }
+        lse[(b * d.H + h) * Tn + i] = static_cast<T>(m + std::log(l));
+      }
+}
+
+// qkv (B, T, 3C), dy (B, T, C) -> dqkv (B, T, 3C), from the probabilities of each whole row.
+template <class T>
+void attention_naive_backward(const T* qkv, const T* dy, T* dqkv, const AttnDims& d) {
+  const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), ld = 3 * C;
+  std::vector<double> g(static_cast<std::size_t>(d.B * Tn * ld), 0.0);
+  auto x = [&](std::int64_t b, std::int64_t t, std::int64_t part, std::int64_t h, std::int64_t e) {
+    return static_cast<double>(qkv[(b * Tn + t) * ld + part * C + h * hs + e]);
+  };
+  auto at = [&](std::int64_t b, std::int64_t t, std::int64_t part, std::int64_t h, std::int64_t e) -> double& {
+    return g[static_cast<std::size_t>((b * Tn + t) * ld + part * C + h * hs + e)];
+  };
+  std::vector<double> p(static_cast<std::size_t>(Tn)), dp(p.size());
+  for (std::int64_t b = 0; b < d.B; ++b)
+    for (std::int64_t h = 0; h < d.H; ++h)
+      for (std::int64_t i = 0; i < Tn; ++i) {
+        const std::int64_t n = d.causal ? i + 1 : Tn;
+        double m = -std::numeric_limits<double>::infinity(), l = 0, D = 0;
+        for (std::int64_t j = 0; j < n; ++j) {
+          double s = 0;
+          for (std::int64_t e = 0; e < hs; ++e) s += x(b, i, 0, h, e) * x(b, j, 1, h, e);
+          p[static_cast<std::size_t>(j)] = s * d.scale;
+          m = std::max(m, s * d.scale);
+        }
+        for (std::int64_t j = 0; j < n; ++j) l += (p[static_cast<std::size_t>(j)] = std::exp(p[static_cast<std::size_t>(j)] - m));
+        for (std::int64_t j = 0; j < n; ++j) {
+          const auto jj = static_cast<std::size_t>(j);
+          p[jj] /= l;
+          double s = 0;
+          for (std::int64_t e = 0; e < hs; ++e) s += static_cast<double>(dy[(b * Tn + i) * C + h * hs + e]) * x(b, j, 2, h, e);
+          dp[jj] = s;
+          D += p[jj] * s;
+        }
+        for (std::int64_t j = 0; j < n; ++j) {
+          const auto jj = static_cast<std::size_t>(j);
+          const double ds = d.scale * p[jj] * (dp[jj] - D);
+          for (std::int64_t e = 0; e < hs; ++e) {
+            at(b, j, 2, h, e) += p[jj] * static_cast<double>(dy[(b * Tn + i) * C + h * hs + e]);
+            at(b, i, 0, h, e) += ds * x(b, j, 1, h, e);
+            at(b, j, 1, h, e) += ds * x(b, i, 0, h, e);
+          }
+        }
+      }
+  for (std::size_t r = 0; r < g.size(); ++r) dqkv[r] = static_cast<T>(g[r]);
 }
 
 }  // namespace tg::kernels

@@ -1,5 +1,5 @@
 // The attention ops: scaled_causal_softmax (core/kernels/softmax.h), and causal_attention fused
-// over a packed qkv (core/kernels/attention.h).
+// over a packed qkv, tiled as FlashAttention (core/kernels/attention.h).
 #include "ops/attention.h"
 
 #include <cmath>
@@ -8,7 +8,7 @@
 #include "kernels/attention.h"
 #include "kernels/softmax.h"
 #include "ops/internal.h"
-#include "ops/recompute.h"
+#include "ops/product.h"
 #include "tapegrad/autograd.h"
 #include "tapegrad/ops.h"
 
@@ -52,27 +52,26 @@ Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
   const char* op = "causal_attention";
   detail::check_attention(op, qkv, H);
   const std::int64_t B = qkv.size(0), Tn = qkv.size(1), C = qkv.size(2) / 3;
-  const double scale = detail::attention_scale(C / H);
-  Tensor y = Tensor::empty({B, Tn, C}, qkv.dtype());
-  // The attention weights (B, H, T, T) are kept for the backward when it is recorded and they are
-  // worth keeping (detail::keep_recomputable); otherwise the backward recomputes them head by head
-  // (the same bits), as the forward does without recording.
-  const bool recording = should_record({&qkv});
-  Tensor P = recording && detail::keep_recomputable() ? Tensor::empty({B, H, Tn, Tn}, qkv.dtype()) : Tensor();
+  // Inside an autocast scope a float32 op's products take bf16-rounded operands (the output, the
+  // softmax statistics and the sums stay float32); the backward makes its products the same way.
+  const kernels::AttnDims d{B, Tn, C, H, detail::attention_scale(C / H), true, detail::products_in_bf16(qkv.dtype())};
+  Tensor y = Tensor::empty({B, Tn, C}, qkv.dtype()), lse = Tensor::empty({B, H, Tn}, qkv.dtype());
   if (y.numel() > 0)
     detail::dispatch_float(op, qkv.dtype(), [&](auto z) {
       using T = decltype(z);
-      kernels::attention_forward(qkv.data<T>(), y.data<T>(), detail::grad_ptr<T>(P), B, Tn, C, H, scale);
+      kernels::flash_attention_forward(qkv.data<T>(), y.data<T>(), lse.data<T>(), d);
     });
-  if (recording) {
-    struct Saved { Tensor qkv, P; };  // P: the attention weights, (B, H, T, T), or undefined
-    record(op, {&qkv}, {&y}, Saved{qkv.detach(), P}, [B, Tn, C, H, scale](Node& n, const Saved& s) {
+  if (should_record({&qkv})) {
+    // What the backward needs of the softmax is each row's log-sum-exp: it recomputes the
+    // probabilities tile by tile, and keeps nothing of size T x T.
+    struct Saved { Tensor qkv, y, lse; };  // (B, T, 3C), (B, T, C), (B, H, T)
+    record(op, {&qkv}, {&y}, Saved{qkv.detach(), y.detach(), lse}, [d](Node& n, const Saved& s) {
       if (n.grad_out().numel() == 0) return detail::pass_zeros(n, 0);  // no outputs (T = 0 or C = 0)
       Tensor dqkv = n.new_grad(0);
       detail::dispatch_float("causal_attention", s.qkv.dtype(), [&](auto z) {
         using T = decltype(z);
-        kernels::attention_backward(s.qkv.data<T>(), detail::opt_ptr<T>(s.P), n.grad_out().data<T>(),
-                                    dqkv.data<T>(), B, Tn, C, H, scale);
+        kernels::flash_attention_backward(s.qkv.data<T>(), s.y.data<T>(), s.lse.data<T>(), n.grad_out().data<T>(),
+                                          dqkv.data<T>(), d);
       });
       n.pass_grad(0, std::move(dqkv));
     });

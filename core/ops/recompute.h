@@ -13,7 +13,7 @@ void update_state_once(F&& update) {
   if (!in_checkpoint_recompute()) update();
 }
 
-// Whether a recorded op keeps a buffer that its backward can recompute (attention's probabilities):
+// Whether a recorded op keeps a buffer that its backward can recompute (GELU's derivative):
 // yes, except in a checkpoint's recomputation, which trades memory for time already.
 inline bool keep_recomputable() { return !in_checkpoint_recompute(); }
 

@@ -1,6 +1,8 @@
 // scaled_causal_softmax and the fused causal attention (core/ops/attention.cpp) against their
-// composite twins and finite differences, and the attention kernels with and without the saved
-// probabilities.
+// composite twins and finite differences; the tiled attention kernels (core/kernels/attention.h)
+// against their naive reference at every tile edge, causal and not, across thread counts, and
+// with bf16 operands within the bound that docs/attention.md derives.
+#include <algorithm>
 #include <cmath>
 
 #include "helpers.h"
@@ -8,6 +10,61 @@
 
 using namespace tg;
 using namespace tgtest;
+
+namespace {
+
+using Shape4 = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>;  // B, T, C, H
+constexpr std::int64_t kTile = kernels::kAttnTile;
+
+kernels::AttnDims dims(Shape4 s, bool causal, bool bf16 = false) {
+  auto [B, T, C, H] = s;
+  return {B, T, C, H, 1.0 / std::sqrt(static_cast<double>(C / H)), causal, bf16};
+}
+
+template <class T>
+std::vector<T> values(const Shape& shape, std::uint64_t seed) {
+  return param64(shape, seed).detach().to(std::is_same_v<T, float> ? float32 : float64).template to_vector<T>();
+}
+
+// y (B, T, C), lse (B, H, T), dqkv (B, T, 3C) of one kernel (flash or naive) on qkv and dy.
+template <class T>
+struct Outputs {
+  std::vector<T> y, lse, dqkv;
+};
+template <class T>
+Outputs<T> run_flash(const std::vector<T>& qkv, const std::vector<T>& dy, const kernels::AttnDims& d) {
+  Outputs<T> o{std::vector<T>(dy.size(), T(7)), std::vector<T>(static_cast<std::size_t>(d.B * d.H * d.Tn), T(7)),
+               std::vector<T>(qkv.size(), T(7))};  // 7: written over, whatever they held
+  kernels::flash_attention_forward(qkv.data(), o.y.data(), o.lse.data(), d);
+  kernels::flash_attention_backward(qkv.data(), o.y.data(), o.lse.data(), dy.data(), o.dqkv.data(), d);
+  return o;
+}
+template <class T>
+Outputs<double> run_naive(const std::vector<T>& qkv, const std::vector<T>& dy, const kernels::AttnDims& d) {
+  const std::vector<double> q(qkv.begin(), qkv.end()), g(dy.begin(), dy.end());
+  Outputs<double> o{std::vector<double>(dy.size()), std::vector<double>(static_cast<std::size_t>(d.B * d.H * d.Tn)),
+                    std::vector<double>(qkv.size())};
+  kernels::attention_naive_forward(q.data(), o.y.data(), o.lse.data(), d);
+  kernels::attention_naive_backward(q.data(), g.data(), o.dqkv.data(), d);
+  return o;
+}
+
+template <class T>
+double max_diff(const std::vector<T>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
+  return m;
+}
+
+// Shapes whose T puts rows on every side of the tile edges (1, Br - 1, Br, Br + 1, 2 Br + 3, ...)
+// and head sizes that are no multiple of 8 or 16.
+std::vector<Shape4> tile_edge_shapes() {
+  return {{2, 1, 6, 2},  {1, kTile - 1, 10, 2}, {2, kTile, 5, 1},          {1, kTile + 1, 33, 1},
+          {1, 2 * kTile + 3, 24, 3}, {2, 3 * kTile - 5, 17, 1}, {1, 150, 40, 2}};
+}
+
+}  // namespace
 
 TEST_CASE("fused scaled causal softmax equals its composite twin") {
   Tensor a1 = param64({2, 3, 5, 5}, 4, 3.0), a2 = a1.detach().clone().requires_grad_();
@@ -27,10 +84,9 @@ TEST_CASE("scaled causal softmax: gradcheck and argument errors") {
 }
 
 TEST_CASE("fused causal attention equals the composite (split, permute, matmul, masked softmax)") {
-  for (auto [B, T, C, H] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>{2, 5, 6, 2},
-                            {1, 1, 4, 1}, {3, 7, 12, 3}, {2, 16, 32, 4}, {1, 37, 8, 2}, {2, 70, 24, 1}}) {
-    // T = 37 and 70: rows of every length up to T, so each vectorised loop of the softmax row
-    // (blocks of 8 and 16 plus the remainders) runs with every remainder.
+  for (auto [B, T, C, H] : {Shape4{2, 5, 6, 2}, {1, 1, 4, 1}, {3, 7, 12, 3}, {2, 16, 32, 4}, {1, 37, 8, 2},
+                            {2, 70, 24, 1}, {1, 2 * kTile + 3, 10, 2}}) {
+    // T = 70 and 131: query tiles that see one, two and three key tiles, the last one partial.
     INFO("B " << B << " T " << T << " C " << C << " H " << H);
     Tensor a = param64({B, T, 3 * C}, static_cast<std::uint64_t>(B * 100 + T)), b = a.detach().clone().requires_grad_();
     Tensor y1 = causal_attention(a, H), y2 = composite::causal_attention(b, H);
@@ -49,7 +105,6 @@ TEST_CASE("fused causal attention equals the composite (split, permute, matmul, 
     z2.backward();
     CHECK(max_abs_diff(a2.grad(), b2.grad()) < 1e-12);
   }
-  require_gradcheck([](auto& in) { return causal_attention(in[0], 2); }, {param64({2, 4, 12}, 3)});
   // float32 agrees with float64 to float precision
   Tensor x = param64({2, 8, 24}, 4).detach();
   CHECK(max_abs_diff(causal_attention(x.to(float32), 4).to(float64), causal_attention(x, 4)) < 1e-5);
@@ -57,22 +112,255 @@ TEST_CASE("fused causal attention equals the composite (split, permute, matmul, 
   REQUIRE_TG_ERROR(causal_attention(zeros({2, 3, 12}), 3), "causal_attention", "n_head 3");
 }
 
-TEST_CASE("attention without saved probabilities recomputes them: the same bits forward and backward") {
-  // P = null (a checkpointed segment's recomputation, or no recording): the forward keeps each
-  // head's probabilities in a scratch block and the backward recomputes them by the same code.
-  for (auto [B, T, C, H] : {std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>{2, 5, 6, 2},
-                            {3, 37, 12, 3}, {2, 70, 24, 4}}) {
-    INFO("B " << B << " T " << T << " C " << C << " H " << H);
-    const std::vector<float> qkv = param64({B, T, 3 * C}, 11).to(float32).to_vector<float>();
-    const std::vector<float> dy = param64({B, T, C}, 12).to(float32).to_vector<float>();
-    const double scale = 1.0 / std::sqrt(static_cast<double>(C / H));
-    std::vector<float> y1(static_cast<std::size_t>(B * T * C)), y2(y1.size()), P(static_cast<std::size_t>(B * H * T * T));
-    kernels::attention_forward(qkv.data(), y1.data(), P.data(), B, T, C, H, scale);
-    kernels::attention_forward(qkv.data(), y2.data(), static_cast<float*>(nullptr), B, T, C, H, scale);
-    CHECK(y1 == y2);
-    std::vector<float> d1(qkv.size(), 0.5f), d2(qkv.size(), -1.0f);  // written over, whatever they held
-    kernels::attention_backward(qkv.data(), P.data(), dy.data(), d1.data(), B, T, C, H, scale);
-    kernels::attention_backward(qkv.data(), static_cast<const float*>(nullptr), dy.data(), d2.data(), B, T, C, H, scale);
-    CHECK(d1 == d2);
+TEST_CASE("causal attention: float64 gradcheck within a tile and across tile edges") {
+  require_gradcheck([](auto& in) { return causal_attention(in[0], 2); }, {param64({2, 4, 12}, 3)});
+  // T = Br + 2: the second query tile's rows see a full key tile, then the diagonal one
+  require_gradcheck([](auto& in) { return causal_attention(in[0], 1); }, {param64({1, kTile + 2, 6}, 13, 1.5)});
+}
+
+TEST_CASE("tiled attention kernels equal the naive reference at every tile edge, causal and not") {
+  for (const Shape4& s : tile_edge_shapes())
+    for (bool causal : {true, false}) {
+      auto [B, T, C, H] = s;
+      INFO("B " << B << " T " << T << " C " << C << " H " << H << (causal ? " causal" : " not causal"));
+      const kernels::AttnDims d = dims(s, causal);
+      const std::uint64_t seed = static_cast<std::uint64_t>(T * 10 + C);
+      {
+        const auto qkv = values<double>({B, T, 3 * C}, seed), dy = values<double>({B, T, C}, seed + 1);
+        const Outputs<double> f = run_flash(qkv, dy, d), n = run_naive(qkv, dy, d);
+        CHECK(max_diff(f.y, n.y) < 1e-12);
+        CHECK(max_diff(f.lse, n.lse) < 1e-12);
+        CHECK(max_diff(f.dqkv, n.dqkv) < 1e-11);
+      }
+      {  // float32 against the float64 sums of its own inputs
+        const auto qkv = values<float>({B, T, 3 * C}, seed), dy = values<float>({B, T, C}, seed + 1);
+        const Outputs<float> f = run_flash(qkv, dy, d);
+        const Outputs<double> n = run_naive(qkv, dy, d);
+        CHECK(max_diff(f.y, n.y) < 2e-6);
+        CHECK(max_diff(f.lse, n.lse) < 2e-6);
+        CHECK(max_diff(f.dqkv, n.dqkv) < 2e-5);
+      }
+    }
+}
+
+TEST_CASE("tiled attention backward, not causal: central differences of sum(dy * y)") {
+  // The op is causal; the kernel's non-causal path gets its own finite-difference check (float64,
+  // T across a tile edge).
+  const Shape4 s{1, kTile + 3, 4, 2};
+  auto [B, T, C, H] = s;
+  const kernels::AttnDims d = dims(s, false);
+  std::vector<double> qkv = values<double>({B, T, 3 * C}, 61);
+  const std::vector<double> dy = values<double>({B, T, C}, 62);
+  const Outputs<double> f = run_flash(qkv, dy, d);
+  auto loss = [&] {
+    std::vector<double> y(dy.size()), lse(static_cast<std::size_t>(B * H * T));
+    kernels::flash_attention_forward(qkv.data(), y.data(), lse.data(), d);
+    double l = 0;
+    for (std::size_t i = 0; i < y.size(); ++i) l += y[i] * dy[i];
+    return l;
+  };
+  const double h = 1e-6;
+  double worst = 0;
+  for (std::size_t i = 0; i < qkv.size(); i += 7) {  // every seventh: all of q, k, v and both heads
+    const double x0 = qkv[i];
+    qkv[i] = x0 + h;
+    const double up = loss();
+    qkv[i] = x0 - h;
+    const double down = loss();
+    qkv[i] = x0;
+    worst = std::max(worst, std::fabs((up - down) / (2 * h) - f.dqkv[i]));
   }
+  INFO("largest difference " << worst);
+  CHECK(worst < 1e-8);
+  CHECK(*std::max_element(f.dqkv.begin(), f.dqkv.end()) > 0.01);  // gradients of some size
+}
+
+TEST_CASE("tiled attention: equal scores average v, rows across tile edges") {
+  // q = 0: every score is 0, so y_i is the mean of v_0 .. v_i (causal) and lse_i = log(i + 1).
+  const Shape4 s{1, kTile + 5, 2, 1};
+  const kernels::AttnDims d = dims(s, true);
+  const std::int64_t T = std::get<1>(s);
+  std::vector<double> qkv(static_cast<std::size_t>(T * 6), 0.0), y(static_cast<std::size_t>(T * 2)), lse(static_cast<std::size_t>(T));
+  for (std::int64_t t = 0; t < T; ++t) qkv[static_cast<std::size_t>(t * 6 + 4)] = static_cast<double>(t);  // v = (t, 0)
+  kernels::flash_attention_forward(qkv.data(), y.data(), lse.data(), d);
+  for (std::int64_t i = 0; i < T; ++i) {
+    CHECK(y[static_cast<std::size_t>(i * 2)] == Approx(i / 2.0).epsilon(1e-14));  // mean of 0 .. i
+    CHECK(lse[static_cast<std::size_t>(i)] == Approx(std::log(i + 1.0)).epsilon(1e-14));
+  }
+}
+
+TEST_CASE("tiled attention: the same bits at 1, 2 and 3 threads") {
+  const int threads = get_num_threads();
+  // hs = 256 with B H = 1: tile products large enough that a product alone could be split
+  for (Shape4 s : {Shape4{2, 2 * kTile + 3, 48, 2}, {3, 70, 12, 3}, {1, kTile, 256, 1}})
+    for (bool bf16 : {false, true}) {
+      auto [B, T, C, H] = s;
+      INFO("B " << B << " T " << T << " C " << C << " H " << H << (bf16 ? " bf16" : ""));
+      const auto qkv = values<float>({B, T, 3 * C}, 21), dy = values<float>({B, T, C}, 22);
+      set_num_threads(1);
+      const Outputs<float> one = run_flash(qkv, dy, dims(s, true, bf16));
+      for (int n : {2, 3}) {
+        set_num_threads(n);
+        const Outputs<float> many = run_flash(qkv, dy, dims(s, true, bf16));
+        CHECK(many.y == one.y);
+        CHECK(many.lse == one.lse);
+        CHECK(many.dqkv == one.dqkv);
+      }
+    }
+  set_num_threads(threads);
+}
+
+TEST_CASE("causal attention keeps qkv, y and lse for its backward: nothing of size T x T") {
+  const std::int64_t B = 2, T = 100, C = 16, H = 2;
+  Tensor qkv = param64({B, T, 3 * C}, 31).detach().to(float32).requires_grad_();
+  const std::size_t before = tape().bytes_saved();
+  Tensor y = causal_attention(qkv, H);
+  CHECK(tape().bytes_saved() - before == static_cast<std::size_t>((B * T * 3 * C + B * T * C + B * H * T) * 4));
+  y.sum().backward();
+  CHECK(qkv.grad().shape() == qkv.shape());
+}
+
+TEST_CASE("causal attention on T = 0 and C = 0: empty outputs, zero gradients") {
+  for (Shape s : {Shape{2, 0, 12}, Shape{2, 3, 0}}) {
+    Tensor qkv = zeros(s, float64).requires_grad_();
+    Tensor y = causal_attention(qkv, 2);
+    CHECK(y.shape() == Shape{s[0], s[1], s[2] / 3});
+    y.sum().backward();
+    CHECK(qkv.grad().shape() == s);
+    CHECK(qkv.grad().sum().item() == 0.0);
+  }
+}
+
+// ---- bf16 operands (autocast) ----
+
+namespace {
+
+constexpr double kU = 1.0 / 256;  // bf16's unit roundoff: 8 significant bits, round to nearest
+
+// The bound of docs/attention.md, element by element, for a bf16 kernel's y and dqkv against the
+// exact result, from float64 quantities of the inputs. u2 = 2u + u^2 bounds the relative error of
+// a product of two rounded operands; eps_i = u2 scale max_j sum_e |q_ie||k_je| bounds row i's
+// score errors, which move each probability by a factor within exp(+-2 eps_i).
+struct Bf16Bound {
+  std::vector<double> y, dqkv;
+};
+Bf16Bound bf16_bound(const std::vector<float>& x, const std::vector<float>& dy, const kernels::AttnDims& d) {
+  const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), ld = 3 * C;
+  const double u2 = 2 * kU + kU * kU, w = (1 + kU) * (1 + kU);
+  Bf16Bound out{std::vector<double>(dy.size()), std::vector<double>(x.size())};
+  auto X = [&](std::int64_t b, std::int64_t t, int part, std::int64_t h, std::int64_t e) {
+    return static_cast<double>(x[static_cast<std::size_t>((b * Tn + t) * ld + part * C + h * hs + e)]);
+  };
+  auto G = [&](std::int64_t b, std::int64_t t, std::int64_t h, std::int64_t e) {
+    return static_cast<double>(dy[static_cast<std::size_t>((b * Tn + t) * C + h * hs + e)]);
+  };
+  auto dot = [&](auto&& f) {
+    double s = 0;
+    for (std::int64_t e = 0; e < hs; ++e) s += f(e);
+    return s;
+  };
+  const std::size_t TT = static_cast<std::size_t>(Tn * Tn);
+  std::vector<double> P(TT), dP(TT), dPb(TT), D(static_cast<std::size_t>(Tn)), eps(D.size()), dD(D.size());
+  for (std::int64_t b = 0; b < d.B; ++b)
+    for (std::int64_t h = 0; h < d.H; ++h) {
+      auto at = [&](std::vector<double>& m, std::int64_t i, std::int64_t j) -> double& { return m[static_cast<std::size_t>(i * Tn + j)]; };
+      for (std::int64_t i = 0; i < Tn; ++i) {  // P, dP, D and the score error eps
+        const std::int64_t n = d.causal ? i + 1 : Tn;
+        double mx = -INFINITY, l = 0, amax = 0;
+        for (std::int64_t j = 0; j < Tn; ++j) at(P, i, j) = at(dP, i, j) = at(dPb, i, j) = 0;
+        for (std::int64_t j = 0; j < n; ++j) {
+          at(P, i, j) = d.scale * dot([&](std::int64_t e) { return X(b, i, 0, h, e) * X(b, j, 1, h, e); });
+          amax = std::max(amax, dot([&](std::int64_t e) { return std::fabs(X(b, i, 0, h, e) * X(b, j, 1, h, e)); }));
+          mx = std::max(mx, at(P, i, j));
+          at(dP, i, j) = dot([&](std::int64_t e) { return G(b, i, h, e) * X(b, j, 2, h, e); });
+          at(dPb, i, j) = u2 * dot([&](std::int64_t e) { return std::fabs(G(b, i, h, e) * X(b, j, 2, h, e)); });
+        }
+        for (std::int64_t j = 0; j < n; ++j) l += (at(P, i, j) = std::exp(at(P, i, j) - mx));
+        double Di = 0;
+        for (std::int64_t j = 0; j < n; ++j) Di += (at(P, i, j) /= l) * at(dP, i, j);
+        D[static_cast<std::size_t>(i)] = Di;
+        eps[static_cast<std::size_t>(i)] = u2 * d.scale * amax;
+      }
+      for (std::int64_t i = 0; i < Tn; ++i) {  // y's bound, and D's through it: dy_i . y_i
+        const double f = w * std::exp(2 * eps[static_cast<std::size_t>(i)]) - 1;
+        double dDi = 0;
+        for (std::int64_t e = 0; e < hs; ++e) {
+          double s = 0;
+          for (std::int64_t j = 0; j < Tn; ++j) s += at(P, i, j) * std::fabs(X(b, j, 2, h, e));
+          out.y[static_cast<std::size_t>((b * Tn + i) * C + h * hs + e)] = f * s;
+          dDi += std::fabs(G(b, i, h, e)) * f * s;
+        }
+        dD[static_cast<std::size_t>(i)] = dDi;
+      }
+      for (std::int64_t i = 0; i < Tn; ++i)
+        for (std::int64_t j = 0; j < Tn; ++j) {  // dS and P's errors carried to dq, dk and dv
+          const auto ii = static_cast<std::size_t>(i);
+          const double p = at(P, i, j), dp = p * (std::exp(2 * eps[ii]) - 1), c = at(dPb, i, j) + dD[ii];
+          if (p == 0) continue;  // masked
+          const double ds = d.scale * p * (at(dP, i, j) - D[ii]);
+          const double dds = d.scale * (dp * (std::fabs(at(dP, i, j) - D[ii]) + c) + p * c);
+          const double fs = dds * w + std::fabs(ds) * u2, fp = dp * w + p * u2;
+          for (std::int64_t e = 0; e < hs; ++e) {
+            auto o = [&](std::int64_t t, int part) -> double& {
+              return out.dqkv[static_cast<std::size_t>((b * Tn + t) * ld + part * C + h * hs + e)];
+            };
+            o(i, 0) += fs * std::fabs(X(b, j, 1, h, e));
+            o(j, 1) += fs * std::fabs(X(b, i, 0, h, e));
+            o(j, 2) += fp * std::fabs(G(b, i, h, e));
+          }
+        }
+    }
+  return out;
+}
+
+// The largest |got - exact| / bound, the bound widened for float32's own rounding: sums of up to
+// T products add at most T 2^-24 of the same magnitudes, 2^-16 T of the bf16 terms (2u = 2^-7).
+double worst_ratio(const std::vector<float>& got, const std::vector<double>& exact, const std::vector<double>& bound,
+                   std::int64_t Tn) {
+  const double widen = 1 + std::ldexp(static_cast<double>(Tn + 16), -16);
+  double worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    worst = std::max(worst, std::fabs(got[i] - exact[i]) / (bound[i] * widen + 1e-7));
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("tiled attention with bf16 operands stays within the derived bound, causal and not") {
+  for (const Shape4& s : {Shape4{2, 1, 6, 2}, {1, kTile + 1, 33, 1}, {1, 2 * kTile + 3, 24, 3}})
+    for (bool causal : {true, false}) {
+      auto [B, T, C, H] = s;
+      INFO("B " << B << " T " << T << " C " << C << " H " << H << (causal ? " causal" : " not causal"));
+      const auto qkv = values<float>({B, T, 3 * C}, 41), dy = values<float>({B, T, C}, 42);
+      const Outputs<float> h = run_flash(qkv, dy, dims(s, causal, true)), f = run_flash(qkv, dy, dims(s, causal));
+      const Outputs<double> n = run_naive(qkv, dy, dims(s, causal));
+      const Bf16Bound bound = bf16_bound(qkv, dy, dims(s, causal));
+      const double ry = worst_ratio(h.y, n.y, bound.y, T), rg = worst_ratio(h.dqkv, n.dqkv, bound.dqkv, T);
+      INFO("worst error / bound: y " << ry << ", dqkv " << rg);
+      CHECK(ry <= 1);
+      CHECK(rg <= 1);
+      CHECK(h.y != f.y);  // the operands are rounded: bf16 differs from float32
+      CHECK(max_diff(h.lse, std::vector<double>(f.lse.begin(), f.lse.end())) < 0.1);
+    }
+}
+
+TEST_CASE("causal attention under autocast makes its products in bf16, forward and backward") {
+  const Shape4 s{2, kTile + 9, 24, 2};
+  auto [B, T, C, H] = s;
+  const auto qkv = values<float>({B, T, 3 * C}, 51), dy = values<float>({B, T, C}, 52);
+  const Outputs<float> want = run_flash(qkv, dy, dims(s, true, true));
+  Tensor x = tensor(std::vector<double>(qkv.begin(), qkv.end()), {B, T, 3 * C}, float32).requires_grad_();
+  Tensor y;
+  {
+    AutocastGuard bf16;
+    y = causal_attention(x, H);
+  }
+  CHECK(y.dtype() == float32);  // the output stays float32
+  CHECK(y.to_vector<float>() == want.y);
+  y.backward(tensor(std::vector<double>(dy.begin(), dy.end()), {B, T, C}, float32));  // outside the scope
+  CHECK(x.grad().to_vector<float>() == want.dqkv);
+  // float64 is never rounded: autocast applies to float32 only
+  Tensor x64 = x.detach().to(float64), plain = causal_attention(x64, H);
+  AutocastGuard bf16;
+  CHECK(max_abs_diff(causal_attention(x64, H), plain) == 0);
 }

@@ -22,7 +22,8 @@
 //
 // Differences from PyTorch: the products' outputs are float32 (PyTorch returns bfloat16 tensors
 // and casts them back at the next float32 op: the same values once rounded, but tapegrad keeps the
-// float32 sum unrounded), and the causal attention's per-head products stay float32.
+// float32 sum unrounded). causal_attention's products take bf16-rounded operands too, with its
+// softmax statistics and output in float32 (docs/attention.md).
 namespace tg {
 
 // AutocastGuard() turns bf16 products on for its scope, AutocastGuard(false) off (PyTorch's
