@@ -105,8 +105,10 @@ Tensor Block::forward_cached(const Tensor& x, Tensor& k_cache, Tensor& v_cache, 
   };
   if (x.dtype() == float64) run(double{});
   else run(float{});
-  Tensor h = linear(y, proj->weight, proj->bias, x);  // x + proj(y)
-  return mlp(ln2->forward(h), h);                     // h + mlp(ln2(h)); no dropout when generating
+  // x + proj(y), then h + mlp(ln2(h)), each add in its product's epilogue. Generation applies no
+  // dropout, whatever the module's mode.
+  Tensor h = linear(y, proj->weight, proj->bias, x);
+  return Block::mlp(ln2->forward(h), h);
 }
 
 void KVCache::drop_oldest() {

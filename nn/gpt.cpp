@@ -121,7 +121,8 @@ Tensor Block::attention(const Tensor& h, const Tensor& residual) {
 // fc, GELU, fc_out (gpt) or gate_up, SwiGLU, down (llama) as one op (tg::mlp: the activation in
 // the products' epilogues, and x w1^T + b1 kept instead of the activation and its derivative);
 // the same bits as the three modules called in turn. A defined residual is added as fc_out
-// finishes.
+// finishes. The op reads the Linears' parameters directly: their forward() is not called (as
+// attention's proj with a residual), so a subclass of Linear would not be seen here.
 Tensor Block::mlp(const Tensor& h, const Tensor& residual) {
   if (arch_ == Arch::gpt) return tg::mlp(h, fc->weight, fc->bias, fc_out->weight, fc_out->bias, "gelu", residual);
   return tg::mlp(h, gate_up->weight, gate_up->bias, down->weight, down->bias, "swiglu", residual);

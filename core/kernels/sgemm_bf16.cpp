@@ -304,6 +304,8 @@ void amx_configure() {
   _tile_loadconfig(&t);
 }
 
+void amx_release() { _tile_release(); }
+
 // acc (32 x 32, row stride 32) = sum over chunks of 32 k of a(i, k) b(k, j): A 32 packed rows of
 // ka bf16, B a panel's 32 columns (a pair row every kNR words). Per chunk 2 tiles of A and 2 of B
 // are loaded and 4 products accumulate, in the tile unit's own order (sgemm_bf16.h).
@@ -395,17 +397,18 @@ void pack_a_amx(bool ta, const T* A, i64 ld, i64 r0, i64 mc, i64 k0, i64 kc, bf1
     return;
   }
 #ifdef TG_BF16_X86
-  // Each k row of A converted (or copied) as a whole into S, then turned into Ap's rows.
+  // Each k row of A converted (or copied) as a whole into S, the room after Ap's ma x ka (the
+  // plan's a_bytes), then turned into Ap's rows.
   const i64 ms = round_up(mc, 16);
-  static thread_local std::vector<bf16> scratch;
-  scratch.assign(static_cast<std::size_t>(ka * ms), bf16{0});
+  bf16* S = Ap + ma * ka;
+  std::fill(S, S + ka * ms, bf16{0});
   for (i64 k = 0; k < kc; ++k) {
     const T* s = A + (k0 + k) * ld + r0;
-    bf16* d = scratch.data() + k * ms;
+    bf16* d = S + k * ms;
     if constexpr (std::is_same_v<T, float>) bf16_impl::to_bf16_avx512(s, d, mc);
     else std::memcpy(d, s, static_cast<std::size_t>(mc) * sizeof(bf16));
   }
-  transpose_pairs_amx(scratch.data(), ms, ka, Ap);
+  transpose_pairs_amx(S, ms, ka, Ap);
   std::fill(Ap + ms * ka, Ap + ma * ka, bf16{0});
 #else
   (void)A, (void)ld, (void)r0, (void)k0, (void)ma;
@@ -439,6 +442,9 @@ void block_product_amx(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
                   static_cast<int>(std::min<i64>(kAmxM, mc - ir)), nv);
       }
     }
+  // The tile state goes back to its initial (unused) state, so the thread's context switches
+  // stop saving 8 KB of tiles; the next block loads the configuration again.
+  amx_release();
 #else
   (void)g, (void)r0, (void)r1, (void)pc, (void)kc, (void)Bk, (void)pstride, (void)q0, (void)q1, (void)be, (void)Ap;
 #endif
@@ -523,6 +529,7 @@ struct Plan {
   const GemmBf16* g = nullptr;
   Path path = Path::emulated;
   i64 kcb = 0, nkb = 0, panels = 0, pstride = 0, rows = 0, unit = 0, units_m = 0, row_blocks = 0, run = 0, items = 0;
+  bool ep_after = false;  // the epilogue runs on the whole of C after the items
   u32* Bp = nullptr;
 
   Plan() = default;
@@ -535,25 +542,30 @@ struct Plan {
     nkb = (p.K + kcb - 1) / kcb;
     panels = (p.N + kNR - 1) / kNR;
     pstride = kNR * (kcb / 2);
-    // About four items a thread: rows in multiples of 6 (at least 24, at most kMC), then columns
-    // cut in runs of panels when there are too few row blocks.
+    // About four items a thread: blocks of whole units of rows (6, or 32 for AMX; at most kMC
+    // rows), as many as a multiple of the team where there are enough, the units dealt out
+    // evenly; then columns cut in runs of panels when there are too few row blocks. An epilogue
+    // on whole rows as in the float32 driver's plan (sgemm_driver.h).
     const i64 want = 4 * team;
-    // Blocks of whole units of rows, as many as a multiple of the team where there are enough,
-    // the units dealt out evenly (as the float32 driver's plan).
     units_m = (p.M + unit - 1) / unit;
     const i64 most = team == 1 ? block(p.M, kMC, unit) / unit
                                : std::clamp<i64>(round_up((p.M + want - 1) / want, unit), amx ? unit : 4 * kMR, kMC) / unit;
     row_blocks = (units_m + most - 1) / most;
     if (team > 1 && row_blocks > team) row_blocks = std::min(units_m, (row_blocks + team - 1) / team * team);
     rows = (units_m + row_blocks - 1) / row_blocks * unit;  // the largest block
-    const i64 col_blocks = p.ep.rows ? 1 : std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
+    ep_after = p.ep.rows && team > 1 && row_blocks < team;
+    const i64 col_blocks =
+        p.ep.rows && !ep_after ? 1 : std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
     run = team == 1 ? panels : (panels + col_blocks - 1) / col_blocks;
     items = row_blocks * ((panels + run - 1) / run);
   }
   i64 row_start(i64 rb) const { return rb * units_m / row_blocks * unit; }  // block rb's first row
   i64 units() const { return nkb * panels; }  // a unit of packing: one panel of one K block
   i64 b_bytes() const { return units() * pstride * 4; }
-  i64 a_bytes() const { return round_up(rows, path == Path::amx ? kAmxM : kMR) * kcb * 2; }
+  // AMX with A^T: room for the block's k rows as bf16 too, after its packed rows (pack_a_amx).
+  i64 a_bytes() const {
+    return round_up(rows, path == Path::amx ? kAmxM : kMR) * kcb * 2 * (path == Path::amx && g->ta ? 2 : 1);
+  }
   void pack(i64 u) const { pack_panel(u / panels, u % panels, Bp + u * pstride); }
   // Panel q of K block b; for AMX with zero pairs up to the block's last whole chunk of 32.
   void pack_panel(i64 b, i64 q, u32* d) const {
@@ -569,7 +581,7 @@ struct Plan {
       block_product(*g, path, r0, r1, pc, std::min(kcb, g->K - pc), Bp + b * panels * pstride, pstride, q0, q1,
                     b == 0 ? g->beta : 1.0f, Ap);
     }
-    if (g->ep) g->ep(r0, r1, q0 * kNR, std::min(g->N, q1 * kNR));  // the item's part of C is final
+    if (g->ep && !ep_after) g->ep(r0, r1, q0 * kNR, std::min(g->N, q1 * kNR));  // the item's part of C is final
   }
 };
 
@@ -622,6 +634,7 @@ void team_product(const GemmBf16& g, Path path) {
     void* Ap = tl_a.get(plan.a_bytes());  // a thread without one takes no items
     for (i64 i; Ap && (i = next.fetch_add(1, std::memory_order_relaxed)) < plan.items;) plan.item(i, Ap);
   }
+  if (plan.ep_after) g.ep.whole(g.M, g.N);
 }
 
 }  // namespace
@@ -657,6 +670,8 @@ void gemm_bf16_pair(const GemmBf16& p, const GemmBf16& q) {
   plan[1].Bp = Bp + plan[0].b_bytes() / 4;
   run_pair_on_team(plan, static_cast<double>(p.M * p.N * p.K), static_cast<double>(q.M * q.N * q.K), team,
                    [&] { return tl_a.get(a_bytes); });
+  if (plan[0].ep_after) p.ep.whole(p.M, p.N);
+  if (plan[1].ep_after) q.ep.whole(q.M, q.N);
 }
 
 void gemm_bf16_naive(const GemmBf16& g) {

@@ -32,8 +32,8 @@
 // 32 k at a time, as the hardware orders them within an instruction (Intel SDM, TDPBF16PS: inputs
 // read as zero when subnormal, results flushed, round to nearest even). Its bits may differ from
 // the other two paths' in the last places, within the bound below; they too are the same for any
-// number of threads. There K blocks are whole chunks of 32 (fixed by K alone), rows go in tiles
-// of 16, and op(A) is packed as bf16 rows (A^T's rows made from pairs of A's rows), while op(B)'s
+// number of threads. There K blocks are whole chunks of 32 (fixed by K alone), rows go in blocks
+// of 32 (two tiles of 16), and op(A) is packed as bf16 rows (A^T's rows made from pairs of A's rows), while op(B)'s
 // 64-column panels of pairs are what a B tile loads, 16 columns at a time.
 //
 // Accuracy against the exact product of the float32 operands: rounding each operand to bf16 moves

@@ -272,6 +272,7 @@ struct Driver {
     static constexpr i64 kSlab = 16;  // rows of B per packing unit when op(B) = B
     const Gemm<float>* g = nullptr;
     i64 kcb = 0, nkb = 0, panels = 0, pstride = 0, rows = 0, tiles = 0, row_blocks = 0, run = 0, items = 0;
+    bool ep_after = false;  // the epilogue runs on the whole of C after the items (whole_after())
     float* Bp = nullptr;  // panel q of K block b at Bp + (b * panels + q) * pstride
 
     Plan() = default;
@@ -280,17 +281,21 @@ struct Driver {
       nkb = (p.K + kcb - 1) / kcb;
       panels = (p.N + NR - 1) / NR;
       pstride = NR * kcb;
-      // About four items a thread: blocks of whole tiles of MR rows (at least 4, at most MC rows),
-      // as many as a multiple of the team where there are enough (equal items then end together:
-      // 15 blocks on 2 threads leave one thread idle for a block's time), the tiles dealt out
-      // evenly; then columns cut in runs of panels when there are too few row blocks.
+      // About four items a thread: blocks of whole tiles of MR rows (4 to MC / MR tiles each; fewer
+      // where the count is then rounded up), as many as a multiple of the team where there are
+      // enough (equal items then end together: 15 blocks on 2 threads leave one thread idle for a
+      // block's time), the tiles dealt out evenly; then columns cut in runs of panels when there
+      // are too few row blocks. An epilogue on whole rows keeps items whole rows, unless there are
+      // fewer row blocks than threads: it then runs on all of C after the items.
       const i64 want = 4 * team;
       tiles = (p.M + MR - 1) / MR;
       const i64 most = std::clamp<i64>(((p.M + want - 1) / want + MR - 1) / MR, 4, MC / MR);  // tiles per block
       row_blocks = (tiles + most - 1) / most;
       if (row_blocks > team) row_blocks = std::min(tiles, (row_blocks + team - 1) / team * team);
       rows = (tiles + row_blocks - 1) / row_blocks * MR;  // the largest block
-      const i64 col_blocks = p.ep.rows ? 1 : std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
+      ep_after = p.ep.rows && row_blocks < team;
+      const i64 col_blocks =
+          p.ep.rows && !ep_after ? 1 : std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
       run = (panels + col_blocks - 1) / col_blocks;
       items = row_blocks * ((panels + run - 1) / run);
     }
@@ -322,7 +327,7 @@ struct Driver {
         block_product(p.ta, p.A, p.lda, r0, r1, pc, std::min(kcb, p.K - pc), Bp + b * panels * pstride, pstride, q0,
                       q1, p.N, p.alpha, b == 0 ? p.beta : 1.0f, p.C, p.ldc, Ap, Tri::none, 0);
       }
-      if (p.ep) p.ep(r0, r1, q0 * NR, std::min(p.N, q1 * NR));  // the item's part of C is final
+      if (p.ep && !ep_after) p.ep(r0, r1, q0 * NR, std::min(p.N, q1 * NR));  // the item's part of C is final
     }
   };
 
@@ -345,6 +350,7 @@ struct Driver {
       float* Ap = tl_a.get(plan.a_floats());  // a thread without one takes no items
       for (i64 i; Ap && (i = next.fetch_add(1, std::memory_order_relaxed)) < plan.items;) plan.item(i, Ap);
     }
+    if (plan.ep_after) p.ep.whole(p.M, p.N);
   }
 
   // Two independent products, side by side on the team (kernels::run_pair_on_team, parallel.h).
@@ -373,6 +379,8 @@ struct Driver {
     plan[1].Bp = Bp + plan[0].b_floats();
     run_pair_on_team(plan, static_cast<double>(p.M * p.N * p.K), static_cast<double>(q.M * q.N * q.K), team,
                      [&] { return tl_a.get(a_floats); });
+    if (plan[0].ep_after) p.ep.whole(p.M, p.N);
+    if (plan[1].ep_after) q.ep.whole(q.M, q.N);
   }
 };
 

@@ -124,10 +124,12 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
                           back.epilogue()};
   detail::Product<T> p_dw2{true, false, d.out, d.F, d.rows, operand(G, d.out), operand<T>(h, d.F), T(0),
                            detail::grad_ptr<T>(dw2), d.F, d.bf16};
-  run_backward_pair(p_dh, p_dw2, true, dw2.defined());
+  const bool want_pre = n.needs_grad(0) || n.needs_grad(1) || n.needs_grad(2);  // dpre is read by x's, w1's, b1's
+  run_backward_pair(p_dh, p_dw2, want_pre, dw2.defined());
   h = Tensor();
   n.pass_grad(3, std::move(dw2));
   pass_bias_grad(n, 4, G, d.rows, d.out);
+  if (!want_pre) return n.pass_grad(5, std::move(dres));
   Tensor dx = n.new_grad(0), dw1 = n.new_grad(1);
   const Tensor& xs = s.x_bf16.defined() ? s.x_bf16 : s.x;
   const T* P = dpre.data<T>();

@@ -87,7 +87,9 @@ struct ResidualEpilogue {
 
 // The gradient of a residual added to an op's output 0: the output's gradient itself. Call first
 // in the backward (slot: the residual's input), on a node recorded with may_reuse_grad_out, so
-// that new_grad can hand over dy's own buffer; else it is copied into the fresh one.
+// that new_grad can hand over dy's own buffer; else it is copied into the fresh one. Pass it last,
+// after every read of grad_out(): the residual may be another input too (linear(x, w, b, x)), and
+// the tape then adds that input's part into this very buffer.
 Tensor residual_grad(const Node& n, std::size_t slot);
 
 template <class T>

@@ -2,6 +2,7 @@
 // linear) in value and every gradient, float32, float64 and under autocast, at 1, 2 and 3 threads
 // and at shapes on both sides of the products' team threshold; float64 gradients against finite
 // differences; the kernels' epilogues on blocks against whole passes; and the error messages.
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -124,15 +125,14 @@ TEST_CASE("mlp's float64 gradients agree with finite differences, gelu and swigl
 
 TEST_CASE("mlp: an epilogue covers every element of C exactly once, on every path of the products, every ISA", "[mlp]") {
   // Counts calls per element of C through the float32 and bf16 products, alone and as a pair,
-  // with the team and without; and rows epilogues see whole rows.
+  // with the team and without, K = 0 and alpha = 0 included; rows epilogues see whole rows.
   struct Count {
     std::vector<int> hits;
     std::int64_t N;
-    bool rows;
-    bool whole_rows_seen = true;
+    std::atomic<bool> whole_rows{true};
     static void run(const void* ctx, std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
       auto& k = *const_cast<Count*>(static_cast<const Count*>(ctx));
-      if (c0 != 0 || c1 != k.N) k.whole_rows_seen = false;
+      if (c0 != 0 || c1 != k.N) k.whole_rows = false;
       for (std::int64_t r = r0; r < r1; ++r)
         for (std::int64_t c = c0; c < c1; ++c) {
 #pragma omp atomic
@@ -142,26 +142,49 @@ TEST_CASE("mlp: an epilogue covers every element of C exactly once, on every pat
   };
   const int before = get_num_threads();
   using kernels::Isa;
+  using Shape3 = std::tuple<std::int64_t, std::int64_t, std::int64_t>;
   each_isa({Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx_bf16}, [&](Isa) {
-  for (int threads : {1, 2, 3})
-    for (auto [M, N, K] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{300, 200, 64}, {5, 7, 3}, {64, 64, 0}})
-      for (bool rows : {false, true}) {
-        set_num_threads(threads);
-        INFO("threads=" << threads << " M=" << M << " N=" << N << " K=" << K << " rows=" << rows);
-        std::vector<float> A(static_cast<std::size_t>(M * std::max<std::int64_t>(K, 1)), 0.5f),
-            B(static_cast<std::size_t>(N * std::max<std::int64_t>(K, 1)), 0.25f), C(static_cast<std::size_t>(M * N));
-        Count k{std::vector<int>(static_cast<std::size_t>(M * N)), N, rows};
-        const kernels::Epilogue ep{&Count::run, &k, rows};
-        kernels::gemm(kernels::Gemm<float>{false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f, C.data(), N, ep});
-        kernels::gemm_bf16(kernels::GemmBf16{false, true, M, N, K, 1.0f, kernels::Bf16Operand(A.data(), K),
-                                             kernels::Bf16Operand(B.data(), K), 0.0f, C.data(), N, ep});
-        const kernels::Gemm<float> g{false, true, M, N, K, 1.0f, A.data(), K, B.data(), K, 0.0f, C.data(), N, ep};
-        kernels::gemm_pair(g, g);
-        for (int h : k.hits) REQUIRE(h == 4);
-        if (rows) REQUIRE(k.whole_rows_seen);
-      }
+    for (int threads : {1, 2, 3})
+      for (auto [M, N, K] : {Shape3{300, 200, 64}, Shape3{5, 7, 3}, Shape3{64, 64, 0}, Shape3{1, 4096, 768}})
+        for (float alpha : {1.0f, 0.0f})
+          for (bool rows : {false, true}) {
+            set_num_threads(threads);
+            INFO("threads=" << threads << " M=" << M << " N=" << N << " K=" << K << " alpha=" << alpha
+                            << " rows=" << rows);
+            const std::size_t k1 = static_cast<std::size_t>(std::max<std::int64_t>(K, 1));
+            std::vector<float> A(static_cast<std::size_t>(M) * k1, 0.5f), B(static_cast<std::size_t>(N) * k1, 0.25f);
+            std::vector<float> C1(static_cast<std::size_t>(M * N)), C2 = C1;
+            Count a{std::vector<int>(C1.size()), N}, b{std::vector<int>(C1.size()), N};
+            const kernels::Epilogue ea{&Count::run, &a, rows}, eb{&Count::run, &b, rows};
+            const kernels::Gemm<float> p{false, true, M, N, K, alpha, A.data(), K, B.data(), K, 0.0f, C1.data(), N, ea};
+            const kernels::Gemm<float> q{false, true, M, N, K, alpha, A.data(), K, B.data(), K, 0.0f, C2.data(), N, eb};
+            auto bf = [&](float* C, const kernels::Epilogue& e) {
+              return kernels::GemmBf16{false, true, M, N, K, alpha, kernels::Bf16Operand(A.data(), K),
+                                       kernels::Bf16Operand(B.data(), K), 0.0f, C, N, e};
+            };
+            kernels::gemm(p);
+            kernels::gemm_bf16(bf(C1.data(), ea));
+            kernels::gemm_pair(p, q);
+            kernels::gemm_bf16_pair(bf(C1.data(), ea), bf(C2.data(), eb));
+            for (int h : a.hits) REQUIRE(h == 4);
+            for (int h : b.hits) REQUIRE(h == 2);
+            if (rows) REQUIRE((a.whole_rows && b.whole_rows));
+          }
   });
   set_num_threads(before);
+}
+
+TEST_CASE("linear with its own input as the residual: x + x w^T, the add's bits and gradients", "[mlp]") {
+  const Tensor w0 = param64({24, 24}, 2, 0.3).detach(), dy = param64({40, 24}, 6).detach();
+  auto run = [&](bool fused) {
+    Tensor x = param64({40, 24}, 1), w = w0.clone().requires_grad_();
+    tape().clear();
+    Tensor y = fused ? linear(x, w, Tensor(), x) : x + linear(x, w);
+    backward(sum(y * dy));
+    return std::vector<Tensor>{y.detach(), x.grad(), w.grad()};
+  };
+  const std::vector<Tensor> f = run(true), u = run(false);
+  for (std::size_t i = 0; i < f.size(); ++i) REQUIRE(same_bits(f[i], u[i]));
 }
 
 TEST_CASE("mlp names the op and the shapes when its arguments do not fit", "[mlp]") {

@@ -49,15 +49,16 @@ class Node {
   // A fresh, uninitialised buffer for input i's gradient (input i's shape and dtype), or an
   // undefined tensor when input i needs none. For a node recorded with may_reuse_grad_out(),
   // the first call may instead return output 0's gradient itself, viewed in input i's shape, when
-  // nothing else holds it: the kernel then writes dx over dy, reading dy[k] before writing dx[k].
+  // nothing else holds it: the kernel then writes dx over dy, reading dy[k] before writing dx[k]
+  // (or, for a residual added to the output, passes dy on unwritten: linear, mlp).
   Tensor new_grad(std::size_t i) const;
   // Hands g, input i's gradient (or this node's part of it), to the tape: an input with no
   // gradient yet takes the buffer itself; otherwise the tape adds g to the gradient already there
   // (micrograd's +=, ggml's add_or_set). An undefined g, or an input that needs no gradient, is
   // ignored. g has input i's dtype and number of elements.
   void pass_grad(std::size_t i, Tensor&& g) const;
-  // Declared when an op records: its backward kernel is elementwise and may write input 0's
-  // gradient over output 0's (see new_grad). Returns *this.
+  // Declared when an op records: the first gradient its backward asks for may be output 0's
+  // own buffer (see new_grad). Returns *this.
   Node& may_reuse_grad_out() {
     overwrite_ok_ = true;
     return *this;
