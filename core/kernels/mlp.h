@@ -7,7 +7,6 @@
 //   pre   (rows, H)   the first product's output: x w1^T + b1
 //   h     (rows, F)   the activation: GELU, F = H; SwiGLU, F = H / 2 (gate columns [0, F), up [F, 2F))
 //   dh    (rows, F)   gradient of h (the backward's dy w2)
-//   d     (rows, H)   gelu'(pre), made beside h in the backward
 //   dpre  (rows, H)   gradient of pre, written (=); for GELU it may be dh's buffer
 // Each element is the same formula as the unfused ops' kernels (elementwise.h's GeluErfOp,
 // llama.h's swiglu_forward / swiglu_backward), so the fused MLP gives their bits.
@@ -27,22 +26,19 @@ void gelu_block(const T* pre, T* h, std::int64_t H, std::int64_t r0, std::int64_
     for (std::int64_t c = c0; c < c1; ++c) h[r * H + c] = op.f(pre[r * H + c]);
 }
 
-// h = gelu(pre) and d = gelu'(pre) in one evaluation of erf and exp (the backward's pass, which
-// then multiplies by d in its product's epilogue: scale_block).
+// The backward's epilogue: h = gelu(pre) (for dw2 = dy^T h) and dpre = dh gelu'(pre), gelu'(x) =
+// Phi(x) + x phi(x), from one evaluation of erf and exp, on rows [r0, r1), columns [c0, c1); dpre
+// may be dh.
 template <class T>
-void gelu_fdf_block(const T* pre, T* h, T* d, std::int64_t H, std::int64_t r0, std::int64_t r1, std::int64_t c0,
-                    std::int64_t c1) {
+void gelu_grad_block(const T* pre, const T* dh, T* dpre, T* h, std::int64_t H, std::int64_t r0, std::int64_t r1,
+                     std::int64_t c0, std::int64_t c1) {
   const GeluErfOp op;
   for (std::int64_t r = r0; r < r1; ++r)
-    for (std::int64_t c = c0; c < c1; ++c) op.fdf(pre[r * H + c], h[r * H + c], d[r * H + c]);
-}
-
-// dpre = dh d on rows [r0, r1), columns [c0, c1); dpre may be dh.
-template <class T>
-void scale_block(const T* d, const T* dh, T* dpre, std::int64_t H, std::int64_t r0, std::int64_t r1, std::int64_t c0,
-                 std::int64_t c1) {
-  for (std::int64_t r = r0; r < r1; ++r)
-    for (std::int64_t c = c0; c < c1; ++c) dpre[r * H + c] = dh[r * H + c] * d[r * H + c];
+    for (std::int64_t c = c0; c < c1; ++c) {
+      T d;
+      op.fdf(pre[r * H + c], h[r * H + c], d);
+      dpre[r * H + c] = dh[r * H + c] * d;
+    }
 }
 
 // h = silu(gate) up on rows [r0, r1): pre's row r is (gate, up), F columns each.
@@ -51,10 +47,14 @@ void swiglu_rows(const T* pre, T* h, std::int64_t F, std::int64_t r0, std::int64
   for (std::int64_t r = r0; r < r1; ++r) swiglu_row(pre + r * 2 * F, h + r * F, F);
 }
 
-// dpre = (dh up silu'(gate), dh silu(gate)) on rows [r0, r1).
+// The backward's epilogue: h = silu(gate) up and dpre = (dh up silu'(gate), dh silu(gate)) on rows
+// [r0, r1).
 template <class T>
-void swiglu_grad_rows(const T* pre, const T* dh, T* dpre, std::int64_t F, std::int64_t r0, std::int64_t r1) {
-  for (std::int64_t r = r0; r < r1; ++r) swiglu_grad_row(pre + r * 2 * F, dh + r * F, dpre + r * 2 * F, F);
+void swiglu_grad_rows(const T* pre, const T* dh, T* dpre, T* h, std::int64_t F, std::int64_t r0, std::int64_t r1) {
+  for (std::int64_t r = r0; r < r1; ++r) {
+    swiglu_row(pre + r * 2 * F, h + r * F, F);
+    swiglu_grad_row(pre + r * 2 * F, dh + r * F, dpre + r * 2 * F, F);
+  }
 }
 
 }  // namespace tg::kernels

@@ -5,12 +5,13 @@
 // unfused ops keep both h and act'(pre) from the forward.
 //
 // Backward, with G = d out:
-//   h = act(pre) (GELU: with act'(pre) in the same pass);  dw2 = G^T h;  db2 = sum_rows G;
-//   dh = G w2;  dpre = act'(pre) dh (epilogue);  dx = dpre w1;  dw1 = dpre^T x;  db1 = sum_rows dpre.
+//   dh = G w2, with h = act(pre) and dpre = act'(pre) dh in its epilogue;  dw2 = G^T h;
+//   db2 = sum_rows G;  dx = dpre w1;  dw1 = dpre^T x;  db1 = sum_rows dpre.
 // Every product, sum and activation is the unfused path's (linear, gelu / swiglu, linear), on the
-// same operands, so the results are its bits, in float32, float64 and under autocast. GELU's
-// derivative is made beside h (one erf and one exp per element, as the unfused forward's) rather
-// than again in the epilogue: a second erf per element cost 2.5% of the medium model's step.
+// same operands, so the results are its bits, in float32, float64 and under autocast. The
+// backward's epilogue makes h and act'(pre) from one evaluation (GELU: one erf and one exp per
+// element, as the unfused forward's): a separate pass for h cost 2.5% of the medium model's step,
+// and a buffer for act'(pre) raised the bf16 step's peak memory.
 #include <cstring>
 #include <string>
 
@@ -37,23 +38,23 @@ struct MlpDims {
   bool bf16;
 };
 
-// The epilogues' work on a block of rows [r0, r1) x columns [c0, c1) of the product's output.
+// The epilogues' work on a block of rows [r0, r1) x columns [c0, c1) of the product's output:
+// the forward's h = act(pre); the backward's h again and dpre = act'(pre) dh.
 template <class T>
 struct ActEpilogue {
   const T* pre;
   const T* dh;  // null in the forward
   T* out;       // h (forward) or dpre (backward)
   MlpDims d;
-  const T* deriv = nullptr;  // GELU's backward: gelu'(pre), computed beside h
+  T* h = nullptr;  // the backward's h
   static void run(const void* ctx, i64 r0, i64 r1, i64 c0, i64 c1) {
     const auto& e = *static_cast<const ActEpilogue*>(ctx);
     if (e.d.act == Act::swiglu) {
-      if (e.dh) kernels::swiglu_grad_rows(e.pre, e.dh, e.out, e.d.F, r0, r1);
+      if (e.dh) kernels::swiglu_grad_rows(e.pre, e.dh, e.out, e.h, e.d.F, r0, r1);
       else kernels::swiglu_rows(e.pre, e.out, e.d.F, r0, r1);
-    } else if (e.dh) {
-      kernels::scale_block(e.deriv, e.dh, e.out, e.d.H, r0, r1, c0, c1);
     } else {
-      kernels::gelu_block(e.pre, e.out, e.d.H, r0, r1, c0, c1);
+      if (e.dh) kernels::gelu_grad_block(e.pre, e.dh, e.out, e.h, e.d.H, r0, r1, c0, c1);
+      else kernels::gelu_block(e.pre, e.out, e.d.H, r0, r1, c0, c1);
     }
   }
   kernels::Epilogue epilogue() const { return {&ActEpilogue::run, this, d.act == Act::swiglu}; }
@@ -115,28 +116,26 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   Tensor dres = n.needs_grad(5) ? detail::residual_grad(n, 5) : Tensor();  // first: it may be dy's buffer
   const T* G = n.grad_out().data<T>();
   const T* pre = s.pre.data<T>();
-  // h again, for dw2 = G^T h (the same bits as the forward's); for GELU with its derivative, in
-  // the same evaluation of erf and exp, for dh's epilogue.
+  // dh = G w2, whose epilogue makes h again (for dw2 = G^T h: the forward's bits) and dpre; then
+  // dw2. Without dpre to make (x, w1 and b1 need no gradient) h takes a pass of its own.
   Tensor h = Tensor::empty({d.rows, d.F}, s.pre.dtype());
-  Tensor deriv = d.act == Act::gelu ? Tensor::empty({d.rows, d.H}, s.pre.dtype()) : Tensor();
-  const ActEpilogue<T> fwd{pre, nullptr, h.data<T>(), d};
-  kernels::parallel_for(d.rows, d.rows * d.H, [&](i64 lo, i64 hi) {
-    if (deriv.defined()) kernels::gelu_fdf_block(pre, h.data<T>(), deriv.data<T>(), d.H, lo, hi, i64{0}, d.H);
-    else fwd.run(&fwd, lo, hi, 0, d.H);
-  });
-  Tensor dw2 = n.new_grad(3);
   Tensor dh = Tensor::empty({d.rows, d.F}, s.pre.dtype());
   Tensor dpre = d.act == Act::gelu ? dh : Tensor::empty({d.rows, d.H}, s.pre.dtype());
-  const ActEpilogue<T> back{pre, dh.data<T>(), dpre.data<T>(), d, detail::opt_ptr<T>(deriv)};
-  detail::Product<T> p_dh{false, false, d.rows, d.F, d.out, operand(G, d.out),
-                          operand<T>(d.bf16 ? s.w.w2_bf16 : s.w.w2, d.F), T(0), dh.data<T>(), d.F, d.bf16,
-                          back.epilogue()};
-  detail::Product<T> p_dw2{true, false, d.out, d.F, d.rows, operand(G, d.out), operand<T>(h, d.F), T(0),
-                           detail::grad_ptr<T>(dw2), d.F, d.bf16};
+  const ActEpilogue<T> back{pre, dh.data<T>(), dpre.data<T>(), d, h.data<T>()};
   const bool want_pre = n.needs_grad(0) || n.needs_grad(1) || n.needs_grad(2);  // dpre is read by x's, w1's, b1's
-  run_backward_pair(p_dh, p_dw2, want_pre, dw2.defined());
+  if (want_pre) {
+    detail::run(detail::Product<T>{false, false, d.rows, d.F, d.out, operand(G, d.out),
+                                   operand<T>(d.bf16 ? s.w.w2_bf16 : s.w.w2, d.F), T(0), dh.data<T>(), d.F, d.bf16,
+                                   back.epilogue()});
+  } else {
+    const ActEpilogue<T> fwd{pre, nullptr, h.data<T>(), d};
+    kernels::parallel_for(d.rows, d.rows * d.H, [&](i64 lo, i64 hi) { fwd.run(&fwd, lo, hi, 0, d.H); });
+  }
+  Tensor dw2 = n.new_grad(3);
+  if (dw2.defined())
+    detail::run(detail::Product<T>{true, false, d.out, d.F, d.rows, operand(G, d.out), operand<T>(h, d.F), T(0),
+                                   dw2.data<T>(), d.F, d.bf16});
   h = Tensor();
-  deriv = Tensor();
   n.pass_grad(3, std::move(dw2));
   pass_bias_grad(n, 4, G, d.rows, d.out);
   if (!want_pre) return n.pass_grad(5, std::move(dres));
