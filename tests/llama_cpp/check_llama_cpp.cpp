@@ -7,7 +7,9 @@
 //   - BF16: give probabilities within 2 R of tapegrad's float32 ones, where R is how far bf16
 //     rounding moves tapegrad's own: R = max |twin - float32|, the twin being tapegrad with the
 //     file's rounded weights and products of bfloat16 operands with float32 sums
-//     (tg::AutocastGuard), which is what ggml's BF16 matrix product computes; and lie within R / 2
+//     (tg::AutocastGuard) for the Linears, which is what ggml's BF16 matrix product computes,
+//     and float32 attention (generation's KV-cache path; ggml's reads f16 keys and values, and
+//     autocast would round causal_attention's operands to bf16); and lie within R / 2
 //     of the twin, so that the difference from float32 is the rounding. The twin does not match
 //     to 1e-4: an activation whose float32 value sits near a bfloat16 rounding boundary can round
 //     one bfloat16 step (2^-8 relative) apart after sums taken in another order.
@@ -79,11 +81,15 @@ std::string missing_reference(const Paths& p) {
 }
 
 // Softmax of the last position's logits of `ids`, in double.
-std::vector<double> next_probs(tg::nn::GPT& model, const std::vector<std::int32_t>& ids) {
+// The next token's probabilities after ids. cached: through generation's KV-cache path, whose
+// attention keeps float32 operands under autocast (only the Linears' products take bf16 ones, as
+// in ggml's BF16 model, whose attention reads f16 keys and values); else the model's forward.
+std::vector<double> next_probs(tg::nn::GPT& model, const std::vector<std::int32_t>& ids, bool cached = false) {
   tg::NoGradGuard ng;
   tg::Tensor x = tg::Tensor::empty({1, static_cast<std::int64_t>(ids.size())}, tg::int32);
   std::copy(ids.begin(), ids.end(), x.data<std::int32_t>());
-  const tg::Tensor logits = model.forward(x);
+  tg::nn::KVCache cache = model.start_cache();
+  const tg::Tensor logits = cached ? model.forward_cached(ids, cache) : model.forward(x);
   const std::int64_t V = logits.size(2), last = static_cast<std::int64_t>(ids.size()) - 1;
   const float* l = logits.data<float>() + last * V;
   const double m = *std::max_element(l, l + V);
@@ -174,7 +180,7 @@ bool check_bf16(Model& m, const fs::path& gguf, const std::vector<std::int32_t>&
     const std::vector<std::int32_t> ids = context_at(prompt, r.at("steps"), s);
     const std::vector<double> p32 = next_probs(*m.gpt, ids);
     tg::AutocastGuard bf16;
-    const std::vector<double> pbf = next_probs(twin, ids);
+    const std::vector<double> pbf = next_probs(twin, ids, /*cached=*/true);
     const json& got = r.at("steps").at(s).at("probs");
     vs_twin = std::max(vs_twin, max_diff(pbf, got));
     vs_f32 = std::max(vs_f32, max_diff(p32, got));
