@@ -4,6 +4,7 @@
 // read next to them.
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "dispatch.h"
 #include "ops/attention.h"
@@ -80,6 +81,15 @@ Tensor silu(const Tensor& x) { return x * sigmoid(x); }
 Tensor swiglu(const Tensor& x) {
   const std::int64_t F = detail::check_swiglu("swiglu", x);
   return composite::silu(slice(x, -1, 0, F)) * slice(x, -1, F, 2 * F);
+}
+
+Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+           const char* activation, const Tensor& residual) {
+  const std::string a = activation ? activation : "";
+  if (a != "gelu" && a != "swiglu") fail("mlp", "activation must be \"gelu\" or \"swiglu\", got \"", a, "\"");
+  const Tensor pre = linear(x, w1, b1);
+  const Tensor y = linear(a == "gelu" ? tg::gelu(pre) : tg::swiglu(pre), w2, b2);  // the ops.h activations
+  return residual.defined() ? residual + y : y;
 }
 
 // The reference's layout: q (B, H, Tn, hs) from the rotated columns, q * cos + rotate_half(q) * sin
