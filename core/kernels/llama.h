@@ -70,16 +70,17 @@ void silu_backward(const T* x, const T* dy, T* dx, std::int64_t n) {
 // Backward, silu'(g) as above:
 //   dg = dy u silu'(g) = dy u s (1 + g (1 - s)),    du = dy silu(g) = dy g s,
 // written into the two halves of the (rows, 2F) gradient.
+// One element: silu(g) u.
+template <class T>
+inline T swiglu_one(T g, T u) {
+  T s, c;
+  sigmoid_and_complement(g, s, c);
+  return (g * s) * u;
+}
 // One row: x (2F) -> y (F).
 template <class T>
 void swiglu_row(const T* x, T* y, std::int64_t F) {
-  const T* g = x;
-  const T* u = g + F;
-  for (std::int64_t j = 0; j < F; ++j) {
-    T s, c;
-    sigmoid_and_complement(g[j], s, c);
-    y[j] = (g[j] * s) * u[j];
-  }
+  for (std::int64_t j = 0; j < F; ++j) y[j] = swiglu_one(x[j], x[F + j]);
 }
 // One row: x (2F), dy (F) -> dx (2F), every element written.
 template <class T>

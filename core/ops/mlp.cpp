@@ -14,6 +14,7 @@
 // and a buffer for act'(pre) raised the bf16 step's peak memory.
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "dispatch.h"
 #include "kernels/mlp.h"
@@ -47,8 +48,22 @@ struct ActEpilogue {
   T* out;       // h (forward) or dpre (backward)
   MlpDims d;
   T* h = nullptr;  // the backward's h
+  // h as bf16, instead of the forward's out or the backward's h, when the products are bf16: only
+  // products read h, and they would round it to bf16 while packing (kernels/mlp.h).
+  kernels::bf16* hb = nullptr;
   static void run(const void* ctx, i64 r0, i64 r1, i64 c0, i64 c1) {
     const auto& e = *static_cast<const ActEpilogue*>(ctx);
+    if constexpr (std::is_same_v<T, float>)
+      if (e.hb) {
+        if (e.d.act == Act::swiglu) {
+          if (e.dh) kernels::swiglu_grad_rows_bf16(e.pre, e.dh, e.out, e.hb, e.d.F, r0, r1);
+          else kernels::swiglu_rows_bf16(e.pre, e.hb, e.d.F, r0, r1);
+        } else {
+          if (e.dh) kernels::gelu_grad_block_bf16(e.pre, e.dh, e.out, e.hb, e.d.H, r0, r1, c0, c1);
+          else kernels::gelu_block_bf16(e.pre, e.hb, e.d.H, r0, r1, c0, c1);
+        }
+        return;
+      }
     if (e.d.act == Act::swiglu) {
       if (e.dh) kernels::swiglu_grad_rows(e.pre, e.dh, e.out, e.h, e.d.F, r0, r1);
       else kernels::swiglu_rows(e.pre, e.out, e.d.F, r0, r1);
@@ -79,8 +94,10 @@ void mlp_forward(const Tensor& x, MlpSaved& s, const Tensor& b1, const Tensor& b
                  const MlpDims& d) {
   using detail::operand;
   T* pre = s.pre.data<T>();
-  Tensor h = Tensor::empty({d.rows, d.F}, x.dtype());
-  const ActEpilogue<T> act{pre, nullptr, h.data<T>(), d};
+  // h: float, or bf16 when the products are (ActEpilogue::hb).
+  Tensor h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : x.dtype());
+  ActEpilogue<T> act{pre, nullptr, d.bf16 ? nullptr : h.data<T>(), d};
+  if (d.bf16) act.hb = static_cast<kernels::bf16*>(h.raw_data());
   const Tensor& xs = s.x_bf16.defined() ? s.x_bf16 : x;
   detail::run(detail::Product<T>{false, true, d.rows, d.H, d.C, operand<T>(xs, d.C),
                                  operand<T>(d.bf16 ? s.w.w1_bf16 : s.w.w1, d.C), fill_bias(pre, b1, d.rows, d.H), pre,
@@ -118,17 +135,20 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   const T* pre = s.pre.data<T>();
   // dh = G w2, whose epilogue makes h again (for dw2 = G^T h: the forward's bits) and dpre; then
   // dw2. Without dpre to make (x, w1 and b1 need no gradient) h takes a pass of its own.
-  Tensor h = Tensor::empty({d.rows, d.F}, s.pre.dtype());
+  Tensor h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : s.pre.dtype());  // bf16: as the forward's
   Tensor dh = Tensor::empty({d.rows, d.F}, s.pre.dtype());
   Tensor dpre = d.act == Act::gelu ? dh : Tensor::empty({d.rows, d.H}, s.pre.dtype());
-  const ActEpilogue<T> back{pre, dh.data<T>(), dpre.data<T>(), d, h.data<T>()};
+  kernels::bf16* hb = d.bf16 ? static_cast<kernels::bf16*>(h.raw_data()) : nullptr;
+  ActEpilogue<T> back{pre, dh.data<T>(), dpre.data<T>(), d, hb ? nullptr : h.data<T>()};
+  back.hb = hb;
   const bool want_pre = n.needs_grad(0) || n.needs_grad(1) || n.needs_grad(2);  // dpre is read by x's, w1's, b1's
   if (want_pre) {
     detail::run(detail::Product<T>{false, false, d.rows, d.F, d.out, operand(G, d.out),
                                    operand<T>(d.bf16 ? s.w.w2_bf16 : s.w.w2, d.F), T(0), dh.data<T>(), d.F, d.bf16,
                                    back.epilogue()});
   } else {
-    const ActEpilogue<T> fwd{pre, nullptr, h.data<T>(), d};
+    ActEpilogue<T> fwd{pre, nullptr, hb ? nullptr : h.data<T>(), d};
+    fwd.hb = hb;
     kernels::parallel_for(d.rows, d.rows * d.H, [&](i64 lo, i64 hi) { fwd.run(&fwd, lo, hi, 0, d.H); });
   }
   Tensor dw2 = n.new_grad(3);
