@@ -142,6 +142,37 @@ struct Driver {
       for (int i = 0; i < MR; ++i) Ap[k * MR + i] = i < rows ? A[i * lda + k] : 0.0f;
   }
 
+  // Whether MR rows of A, lda floats apart, read in place, crowd into few sets of a 64-set L1 of
+  // 64-byte lines (Zen 4's 32 KB 8-way, Zen 5's 48 KB 12-way, recent Intel's 48 KB 12-way): a
+  // stride of 3,072 floats (12 KB) puts all 14 rows of the AVX-512 tile in one set, and each k step
+  // then misses in L1 (the GPT-2-small shape's MLP output product ran at 0.55 of the FMA peak on
+  // Zen 4, its other products at 0.7-0.75). More than two rows in a set, beside the B panel's lines,
+  // and the rows are packed instead (pack_a_rows): the same values in the same order, so the same
+  // bits.
+  static bool rows_crowd_l1(i64 lda) {
+    int in_set[64] = {};
+    for (int i = 0; i < MR; ++i)
+      if (++in_set[(static_cast<std::uint64_t>(i) * static_cast<std::uint64_t>(lda) * 4 / 64) % 64] > 2) return true;
+    return false;
+  }
+
+  // op(A) = A, mc rows by kc, into panels of MR rows as pack_a_trans's: Ap[p * kc * MR + k * MR + i]
+  // = A[(MR p + i) * lda + k], the last panel zero padded.
+  static void pack_a_rows(const float* A, i64 lda, i64 mc, i64 kc, float* Ap) {
+    for (i64 p = 0; p * MR < mc; ++p) {
+      const int rows = static_cast<int>(std::min<i64>(MR, mc - p * MR));
+      if (rows < MR) {
+        pack_a_edge(A + p * MR * lda, lda, rows, kc, Ap + p * kc * MR);
+        continue;
+      }
+      float* d = Ap + p * kc * MR;
+      for (int i = 0; i < MR; ++i) {
+        const float* s = A + (p * MR + i) * lda;
+        for (i64 k = 0; k < kc; ++k) d[k * MR + i] = s[k];
+      }
+    }
+  }
+
   // op(A) = A^T, mc rows by kc: row i of op(A) is column i of A, a(i, k) = A[k * lda + i]. Packed
   // into panels of MR rows, Ap[p * kc * MR + k * MR + i] = a(MR p + i, k), the last panel zero
   // padded; A is read row by row (contiguous).
@@ -209,7 +240,7 @@ struct Driver {
   // Rows [r0, r1) of C times column panels [q0, q1) for one block of K: k in [pc, pc + kc) of
   // op(A), with op(B)'s rows of that block packed at Bk (panel q at Bk + q * pstride). be is the
   // beta of this block (the caller's for the first, 1 after). Ap: room for (r1 - r0) x kc floats
-  // when ta, else MR x kc (the edge panel). tri lets a tile skip what a triangle makes zero or
+  // (rounded up to MR rows) when A is packed (ta, or rows_crowd_l1), else MR x kc (the edge panel). tri lets a tile skip what a triangle makes zero or
   // unneeded (gemm.h); c0 is the column of C where panel 0 starts.
   static void block_product(bool ta, const float* A, i64 lda, i64 r0, i64 r1, i64 pc, i64 kc, const float* Bk,
                             i64 pstride, i64 q0, i64 q1, i64 N, float alpha, float be, float* C, i64 ldc, float* Ap,
@@ -217,7 +248,9 @@ struct Driver {
     const i64 mc = r1 - r0, mfull = mc / MR * MR;
     const int medge = static_cast<int>(mc - mfull);
     const float* Ablk = ta ? A + pc * lda + r0 : A + r0 * lda + pc;  // a(r0, pc)
+    const bool packed = ta || rows_crowd_l1(lda);  // every panel of A packed (else only the edge)
     if (ta) pack_a_trans(Ablk, lda, mc, kc, Ap);
+    else if (packed) pack_a_rows(Ablk, lda, mc, kc, Ap);
     else if (medge) pack_a_edge(Ablk + mfull * lda, lda, medge, kc, Ap);
     for (i64 q = q0; q < q1; ++q) {
       const int nv = static_cast<int>(std::min<i64>(NR, N - q * NR));
@@ -236,7 +269,7 @@ struct Driver {
         }
         float* Ct = Cj + ir * ldc;
         const float* Bt = Bj + off * NR;
-        if (ta) Tile::template kernel<false>(len, Ap + ir * kc + off * MR, MR, Bt, Ct, ldc, alpha, be, mv, nv);
+        if (packed) Tile::template kernel<false>(len, Ap + ir * kc + off * MR, MR, Bt, Ct, ldc, alpha, be, mv, nv);
         else if (mv == MR) Tile::template kernel<true>(len, Ablk + ir * lda + off, lda, Bt, Ct, ldc, alpha, be, MR, nv);
         else Tile::template kernel<false>(len, Ap + off * MR, MR, Bt, Ct, ldc, alpha, be, mv, nv);
       }
@@ -247,7 +280,7 @@ struct Driver {
                     i64 ldb, float beta, float* C, i64 ldc, Tri tri) {
     if (no_product(M, N, K, alpha, beta, C, ldc)) return;
     const i64 kcb = block(K, KC, 4), mcb = block(M, MC, MR);
-    float* Ap = tl_a.get((ta ? mcb : MR) * kcb);
+    float* Ap = tl_a.get((ta || rows_crowd_l1(lda) ? mcb : MR) * kcb);
     float* Bp = tl_b.get((std::min(NC, N) + NR - 1) / NR * NR * kcb);
     if (!Ap || !Bp) {  // no memory for the packed operands (this may run inside a parallel region)
       sgemm_unpacked(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -304,7 +337,7 @@ struct Driver {
     i64 slabs() const { return (kcb + kSlab - 1) / kSlab; }
     i64 units() const { return nkb * (g->tb ? panels : slabs()); }
     i64 b_floats() const { return nkb * panels * pstride; }
-    i64 a_floats() const { return (g->ta ? rows : MR) * kcb; }
+    i64 a_floats() const { return (g->ta || rows_crowd_l1(g->lda) ? rows : MR) * kcb; }
     void pack(i64 u) const {
       const Gemm<float>& p = *g;
       if (p.tb) {

@@ -241,6 +241,54 @@ TEST_CASE("float32 gemm and gemm_pair give the same bits for any team size") {
   });
 }
 
+TEST_CASE("A's rows read in place or packed because their stride crowds L1's sets give the same bits") {
+  // kernels/sgemm_driver.h reads MR rows of A in place unless their stride would put more than two
+  // of them in one set of L1 (rows_crowd_l1); then it packs them. The same values, once at
+  // lda = K and once at lda = 1024 floats (4 KB: every row in one set), with gemm and gemm_tri, at 1
+  // and 2 threads: the same bits, and the naive reference's values.
+  each_isa(kProducts, [&](kernels::Isa level) {
+    if (level == kernels::Isa::portable) return;  // OpenBLAS's own packing
+    const int before = get_num_threads();
+    Generator g(48);
+    for (int threads : {1, 2})
+      for (auto [M, N, K] : {std::tuple<int, int, int>{151, 65, 300}, {29, 33, 257}, {200, 70, 200}})
+        for (bool tb : {false, true}) {
+          set_num_threads(threads);
+          const int wide = 1024;
+          Tensor A = randn({M, K}, float32, &g), Aw = zeros({M, wide}, float32);
+          if (M == K)  // lower triangular, for gemm_tri
+            for (int i = 0; i < M; ++i)
+              for (int k = i + 1; k < K; ++k) A.data<float>()[i * K + k] = 0.0f;
+          for (int i = 0; i < M; ++i)
+            std::copy_n(A.data<float>() + i * K, K, Aw.data<float>() + i * wide);
+          Tensor B = randn(tb ? Shape{N, K} : Shape{K, N}, float32, &g);
+          Tensor C0 = randn({M, N}, float32, &g);
+          Tensor C = C0.clone(), Cw = C0.clone(), T = C0.clone(), Tw = C0.clone();
+          auto run = [&](const Tensor& a, int lda, Tensor& c, bool tri) {
+            if (tri)
+              kernels::gemm_tri<float>(kernels::Tri::lower_a, false, tb, M, N, K, 1.5f, a.data<float>(), lda,
+                                       B.data<float>(), B.size(1), 0.5f, c.data<float>(), N);
+            else
+              kernels::gemm<float>(false, tb, M, N, K, 1.5f, a.data<float>(), lda, B.data<float>(), B.size(1), 0.5f,
+                                   c.data<float>(), N);
+          };
+          run(A, K, C, false);
+          run(Aw, wide, Cw, false);
+          INFO("threads=" << threads << " M=" << M << " N=" << N << " K=" << K << " tb=" << tb);
+          CHECK(max_abs_diff(C, Cw) == 0.0);
+          Tensor want = naive_matmul(A, B, false, tb) * 1.5 + C0.to(float64) * 0.5;
+          CHECK(max_abs_diff(C.to(float64), want) < 1e-4 * (K + 1));
+          if (M == K) {
+            run(A, K, T, true);
+            run(Aw, wide, Tw, true);
+            CHECK(max_abs_diff(T, Tw) == 0.0);
+            CHECK(max_abs_diff(T, C) == 0.0);
+          }
+        }
+    set_num_threads(before);
+  });
+}
+
 TEST_CASE("the AVX2 and AVX-512 products give the same bits") {
   // Both cut K into the same blocks and sum each element of C as one chain of FMAs over k in order
   // (kernels/sgemm_avx512.h), so the instruction set does not change a result: every transpose,
