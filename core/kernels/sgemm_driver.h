@@ -142,17 +142,18 @@ struct Driver {
       for (int i = 0; i < MR; ++i) Ap[k * MR + i] = i < rows ? A[i * lda + k] : 0.0f;
   }
 
-  // Whether MR rows of A, lda floats apart, read in place, crowd into few sets of a 64-set L1 of
-  // 64-byte lines (Zen 4's 32 KB 8-way, Zen 5's 48 KB 12-way, recent Intel's 48 KB 12-way): a
-  // stride of 3,072 floats (12 KB) puts all 14 rows of the AVX-512 tile in one set, and each k step
-  // then misses in L1 (the GPT-2-small shape's MLP output product ran at 0.55 of the FMA peak on
-  // Zen 4, its other products at 0.7-0.75). More than two rows in a set, beside the B panel's lines,
-  // and the rows are packed instead (pack_a_rows): the same values in the same order, so the same
-  // bits.
+  // Whether MR rows of A, lda floats apart, read in place, crowd into one set of a 64-set L1 of
+  // 64-byte lines (Zen 4's 32 KB 8-way, Zen 5's and recent Intel's 48 KB 12-way) beyond its 8 ways:
+  // a stride of 3,072 floats (12 KB) puts all 14 rows of the AVX-512 tile in one set, and each k
+  // step then misses in L1 (the GPT-2-small shape's MLP output product ran at 0.45-0.5 of the FMA
+  // peak on Zen 4, 0.65-0.7 packed). Such rows are packed instead (pack_a_rows): the same values in
+  // the same order, so the same bits. Fewer rows per set are read in place: at 7 rows per set (a
+  // stride of 1,536) and at 3-4 (768) packing measured 3-8% slower, its cost larger than the misses
+  // it saves (docs/performance.md).
   static bool rows_crowd_l1(i64 lda) {
     int in_set[64] = {};
     for (int i = 0; i < MR; ++i)
-      if (++in_set[(static_cast<std::uint64_t>(i) * static_cast<std::uint64_t>(lda) * 4 / 64) % 64] > 2) return true;
+      if (++in_set[(static_cast<std::uint64_t>(i) * static_cast<std::uint64_t>(lda) * 4 / 64) % 64] > 8) return true;
     return false;
   }
 

@@ -242,10 +242,11 @@ TEST_CASE("float32 gemm and gemm_pair give the same bits for any team size") {
 }
 
 TEST_CASE("A's rows read in place or packed because their stride crowds L1's sets give the same bits") {
-  // kernels/sgemm_driver.h reads MR rows of A in place unless their stride would put more than two
-  // of them in one set of L1 (rows_crowd_l1); then it packs them. The same values, once at
-  // lda = K and once at lda = 1024 floats (4 KB: every row in one set), with gemm and gemm_tri, at 1
-  // and 2 threads: the same bits, and the naive reference's values.
+  // kernels/sgemm_driver.h reads MR rows of A in place unless their stride would put more than
+  // eight of them in one set of L1 (rows_crowd_l1); then it packs them. The same values, once at
+  // lda = K and once at lda = 1024 floats (4 KB: every row in one set, so the AVX-512 tile's 14 rows
+  // are packed), with gemm and gemm_tri, at 1 and 2 threads: the same bits, and the naive
+  // reference's values.
   each_isa(kProducts, [&](kernels::Isa level) {
     if (level == kernels::Isa::portable) return;  // OpenBLAS's own packing
     const int before = get_num_threads();
