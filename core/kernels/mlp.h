@@ -102,7 +102,7 @@ inline void gelu_grad_block_bf16(const float* pre, const float* dh, float* dpre,
     });
 }
 
-// swiglu_rows with h as bf16; and swiglu_grad_rows.
+// swiglu_rows and swiglu_grad_rows with h as bf16.
 inline void swiglu_rows_bf16(const float* pre, bf16* h, std::int64_t F, std::int64_t r0, std::int64_t r1) {
   for (std::int64_t r = r0; r < r1; ++r)
     store_bf16(h + r * F, 0, F, [&](float* t, std::int64_t j0, std::int64_t n) {
@@ -112,8 +112,10 @@ inline void swiglu_rows_bf16(const float* pre, bf16* h, std::int64_t F, std::int
 }
 inline void swiglu_grad_rows_bf16(const float* pre, const float* dh, float* dpre, bf16* h, std::int64_t F,
                                   std::int64_t r0, std::int64_t r1) {
-  swiglu_rows_bf16(pre, h, F, r0, r1);
-  for (std::int64_t r = r0; r < r1; ++r) swiglu_grad_row(pre + r * 2 * F, dh + r * F, dpre + r * 2 * F, F);
+  for (std::int64_t r = r0; r < r1; ++r) {  // a row at a time, as swiglu_grad_rows: pre's row read while in cache
+    swiglu_rows_bf16(pre, h, F, r, r + 1);
+    swiglu_grad_row(pre + r * 2 * F, dh + r * F, dpre + r * 2 * F, F);
+  }
 }
 
 }  // namespace tg::kernels

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cfloat>
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -94,7 +95,7 @@ void pack_b_panel(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u
   i64 pfrom = 0;  // pairs [0, pfrom) already made
 #ifdef TG_BF16_X86
   if constexpr (std::is_same_v<T, bf16>)
-    if (nc == kNR && isa() >= Isa::avx512) {
+    if (nc == kNR && ld <= INT32_MAX / 32 && isa() >= Isa::avx512) {  // byte offsets of 16 rows in int32
       gather_pairs_avx512(B + n0 * ld + k0, ld, full, Bp);
       pfrom = full;
     }

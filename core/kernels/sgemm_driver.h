@@ -143,13 +143,13 @@ struct Driver {
   }
 
   // Whether MR rows of A, lda floats apart, read in place, crowd into one set of a 64-set L1 of
-  // 64-byte lines (Zen 4's 32 KB 8-way, Zen 5's and recent Intel's 48 KB 12-way) beyond its 8 ways:
-  // a stride of 3,072 floats (12 KB) puts all 14 rows of the AVX-512 tile in one set, and each k
-  // step then misses in L1 (the GPT-2-small shape's MLP output product ran at 0.45-0.5 of the FMA
-  // peak on Zen 4, 0.65-0.7 packed). Such rows are packed instead (pack_a_rows): the same values in
-  // the same order, so the same bits. Fewer rows per set are read in place: at 7 rows per set (a
-  // stride of 1,536) and at 3-4 (768) packing measured 3-8% slower, its cost larger than the misses
-  // it saves (docs/performance.md).
+  // 64-byte lines (Zen 4's 32 KB 8-way, Zen 5's and recent Intel's 48 KB 12-way) beyond 8, the
+  // smallest of those associativities: a stride of 3,072 floats (12 KB) puts all 14 rows of the
+  // AVX-512 tile in one set, and each k step then misses in L1 (the GPT-2-small shape's MLP output
+  // product ran at 0.46-0.61 of Zen 4's FMA peak, 0.78-0.86 packed). Such rows are packed instead
+  // (pack_a_rows): the same values in the same order, so the same bits. Fewer rows per set are read
+  // in place: at 7 rows per set (a stride of 1,536) and at 3-4 (768) packing measured 3-8% slower,
+  // its cost larger than the misses it saves (docs/performance.md).
   static bool rows_crowd_l1(i64 lda) {
     int in_set[64] = {};
     for (int i = 0; i < MR; ++i)
@@ -241,8 +241,9 @@ struct Driver {
   // Rows [r0, r1) of C times column panels [q0, q1) for one block of K: k in [pc, pc + kc) of
   // op(A), with op(B)'s rows of that block packed at Bk (panel q at Bk + q * pstride). be is the
   // beta of this block (the caller's for the first, 1 after). Ap: room for (r1 - r0) x kc floats
-  // (rounded up to MR rows) when A is packed (ta, or rows_crowd_l1), else MR x kc (the edge panel). tri lets a tile skip what a triangle makes zero or
-  // unneeded (gemm.h); c0 is the column of C where panel 0 starts.
+  // (rounded up to MR rows) when A is packed (ta, or rows_crowd_l1), else MR x kc (the edge
+  // panel). tri lets a tile skip what a triangle makes zero or unneeded (gemm.h); c0 is the column
+  // of C where panel 0 starts.
   static void block_product(bool ta, const float* A, i64 lda, i64 r0, i64 r1, i64 pc, i64 kc, const float* Bk,
                             i64 pstride, i64 q0, i64 q1, i64 N, float alpha, float be, float* C, i64 ldc, float* Ap,
                             Tri tri, i64 c0) {
