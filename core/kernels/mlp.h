@@ -12,9 +12,9 @@
 // llama.h's swiglu_forward / swiglu_backward), so the fused MLP gives their bits.
 //
 // With bf16 products, h is read only by products, which round it to bf16 while they pack it: the
-// epilogues then write h as bf16 (the *_bf16 versions below, float only), rounded by to_bf16 as the
-// packing would, so the products read half the bytes and convert nothing, and the results are the
-// same bits.
+// epilogues then write h as bf16 (the overloads below with a bf16 h, float only), rounded by
+// to_bf16 as the packing would, so the products read half the bytes and convert nothing, and the
+// results are the same bits.
 #include <algorithm>
 #include <cstdint>
 
@@ -78,7 +78,7 @@ void store_bf16(bf16* out, std::int64_t j0, std::int64_t j1, Make&& make) {
 }
 
 // gelu_block with h as bf16.
-inline void gelu_block_bf16(const float* pre, bf16* h, std::int64_t H, std::int64_t r0, std::int64_t r1,
+inline void gelu_block(const float* pre, bf16* h, std::int64_t H, std::int64_t r0, std::int64_t r1,
                             std::int64_t c0, std::int64_t c1) {
   const GeluErfOp op;
   for (std::int64_t r = r0; r < r1; ++r)
@@ -88,7 +88,7 @@ inline void gelu_block_bf16(const float* pre, bf16* h, std::int64_t H, std::int6
 }
 
 // gelu_grad_block with h as bf16.
-inline void gelu_grad_block_bf16(const float* pre, const float* dh, float* dpre, bf16* h, std::int64_t H,
+inline void gelu_grad_block(const float* pre, const float* dh, float* dpre, bf16* h, std::int64_t H,
                                  std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
   const GeluErfOp op;
   for (std::int64_t r = r0; r < r1; ++r)
@@ -103,17 +103,17 @@ inline void gelu_grad_block_bf16(const float* pre, const float* dh, float* dpre,
 }
 
 // swiglu_rows and swiglu_grad_rows with h as bf16.
-inline void swiglu_rows_bf16(const float* pre, bf16* h, std::int64_t F, std::int64_t r0, std::int64_t r1) {
+inline void swiglu_rows(const float* pre, bf16* h, std::int64_t F, std::int64_t r0, std::int64_t r1) {
   for (std::int64_t r = r0; r < r1; ++r)
     store_bf16(h + r * F, 0, F, [&](float* t, std::int64_t j0, std::int64_t n) {
       const float* g = pre + r * 2 * F + j0;  // the gate; the up projection F further
       for (std::int64_t j = 0; j < n; ++j) t[j] = swiglu_one(g[j], g[F + j]);
     });
 }
-inline void swiglu_grad_rows_bf16(const float* pre, const float* dh, float* dpre, bf16* h, std::int64_t F,
+inline void swiglu_grad_rows(const float* pre, const float* dh, float* dpre, bf16* h, std::int64_t F,
                                   std::int64_t r0, std::int64_t r1) {
   for (std::int64_t r = r0; r < r1; ++r) {  // a row at a time, as swiglu_grad_rows: pre's row read while in cache
-    swiglu_rows_bf16(pre, h, F, r, r + 1);
+    swiglu_rows(pre, h, F, r, r + 1);
     swiglu_grad_row(pre + r * 2 * F, dh + r * F, dpre + r * 2 * F, F);
   }
 }

@@ -51,26 +51,22 @@ struct ActEpilogue {
   // h as bf16, instead of the forward's out or the backward's h, when the products are bf16: only
   // products read h, and they would round it to bf16 while packing (kernels/mlp.h).
   kernels::bf16* hb = nullptr;
+  // H: T, or bf16 for hb (kernels/mlp.h's overloads).
+  template <class H>
+  void apply(H* hout, i64 r0, i64 r1, i64 c0, i64 c1) const {
+    if (d.act == Act::swiglu) {
+      if (dh) kernels::swiglu_grad_rows(pre, dh, out, hout, d.F, r0, r1);
+      else kernels::swiglu_rows(pre, hout, d.F, r0, r1);
+    } else {
+      if (dh) kernels::gelu_grad_block(pre, dh, out, hout, d.H, r0, r1, c0, c1);
+      else kernels::gelu_block(pre, hout, d.H, r0, r1, c0, c1);
+    }
+  }
   static void run(const void* ctx, i64 r0, i64 r1, i64 c0, i64 c1) {
     const auto& e = *static_cast<const ActEpilogue*>(ctx);
     if constexpr (std::is_same_v<T, float>)
-      if (e.hb) {
-        if (e.d.act == Act::swiglu) {
-          if (e.dh) kernels::swiglu_grad_rows_bf16(e.pre, e.dh, e.out, e.hb, e.d.F, r0, r1);
-          else kernels::swiglu_rows_bf16(e.pre, e.hb, e.d.F, r0, r1);
-        } else {
-          if (e.dh) kernels::gelu_grad_block_bf16(e.pre, e.dh, e.out, e.hb, e.d.H, r0, r1, c0, c1);
-          else kernels::gelu_block_bf16(e.pre, e.hb, e.d.H, r0, r1, c0, c1);
-        }
-        return;
-      }
-    if (e.d.act == Act::swiglu) {
-      if (e.dh) kernels::swiglu_grad_rows(e.pre, e.dh, e.out, e.h, e.d.F, r0, r1);
-      else kernels::swiglu_rows(e.pre, e.out, e.d.F, r0, r1);
-    } else {
-      if (e.dh) kernels::gelu_grad_block(e.pre, e.dh, e.out, e.h, e.d.H, r0, r1, c0, c1);
-      else kernels::gelu_block(e.pre, e.out, e.d.H, r0, r1, c0, c1);
-    }
+      if (e.hb) return e.apply(e.hb, r0, r1, c0, c1);
+    e.apply(e.dh ? e.h : e.out, r0, r1, c0, c1);
   }
   kernels::Epilogue epilogue() const { return {&ActEpilogue::run, this, d.act == Act::swiglu}; }
 };
