@@ -78,8 +78,8 @@ void store_bf16(bf16* out, std::int64_t j0, std::int64_t j1, Make&& make) {
 }
 
 // gelu_block with h as bf16.
-inline void gelu_block(const float* pre, bf16* h, std::int64_t H, std::int64_t r0, std::int64_t r1,
-                            std::int64_t c0, std::int64_t c1) {
+inline void gelu_block(const float* pre, bf16* h, std::int64_t H, std::int64_t r0, std::int64_t r1, std::int64_t c0,
+                       std::int64_t c1) {
   const GeluErfOp op;
   for (std::int64_t r = r0; r < r1; ++r)
     store_bf16(h + r * H, c0, c1, [&](float* t, std::int64_t j0, std::int64_t n) {
@@ -88,8 +88,8 @@ inline void gelu_block(const float* pre, bf16* h, std::int64_t H, std::int64_t r
 }
 
 // gelu_grad_block with h as bf16.
-inline void gelu_grad_block(const float* pre, const float* dh, float* dpre, bf16* h, std::int64_t H,
-                                 std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
+inline void gelu_grad_block(const float* pre, const float* dh, float* dpre, bf16* h, std::int64_t H, std::int64_t r0,
+                            std::int64_t r1, std::int64_t c0, std::int64_t c1) {
   const GeluErfOp op;
   for (std::int64_t r = r0; r < r1; ++r)
     store_bf16(h + r * H, c0, c1, [&](float* t, std::int64_t j0, std::int64_t n) {
@@ -111,8 +111,8 @@ inline void swiglu_rows(const float* pre, bf16* h, std::int64_t F, std::int64_t 
     });
 }
 inline void swiglu_grad_rows(const float* pre, const float* dh, float* dpre, bf16* h, std::int64_t F,
-                                  std::int64_t r0, std::int64_t r1) {
-  for (std::int64_t r = r0; r < r1; ++r) {  // a row at a time, as swiglu_grad_rows: pre's row read while in cache
+                             std::int64_t r0, std::int64_t r1) {
+  for (std::int64_t r = r0; r < r1; ++r) {  // a row at a time, as the float version: pre's row stays in cache
     swiglu_rows(pre, h, F, r, r + 1);
     swiglu_grad_row(pre + r * 2 * F, dh + r * F, dpre + r * 2 * F, F);
   }

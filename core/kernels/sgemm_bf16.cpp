@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cfloat>
-#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -58,22 +57,6 @@ inline u32 hi_of(float x) { return bf16_round_bits(float_bits(x)) & 0xFFFF0000u;
 inline u32 lo_of(bf16 x) { return x.bits; }
 inline u32 hi_of(bf16 x) { return static_cast<u32>(x.bits) << 16; }
 
-#ifdef TG_BF16_X86
-// A panel of 64 bf16 rows of B^T, pairs [0, pairs): a pair's 32-bit word in row j is the two bf16
-// at r_j + 2p as they lie in memory (low half first), so Bp[p * 64 + j] is a 32-bit word of row j,
-// and each 16 of them one gather.
-[[gnu::target("avx512f")]] void gather_pairs_avx512(const bf16* B, i64 ld, i64 pairs, u32* Bp) {
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(static_cast<int>(ld * 2)));  // bytes
-  const char* base = reinterpret_cast<const char*>(B);
-  for (i64 p = 0; p < pairs; ++p)
-    for (i64 h = 0; h < kNR / 16; ++h)
-      _mm512_store_si512(Bp + p * kNR + 16 * h,
-                         _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), 0xFFFF, rows,
-                                                     base + (16 * h * ld + 2 * p) * 2, 1));
-}
-#endif
-
 // One panel of op(B): k in [k0, k0 + kc), columns [n0, n0 + nc), nc <= 64, as pairs:
 // Bp[p * 64 + j] = b(k0 + 2p, n0 + j) | b(k0 + 2p + 1, n0 + j) << 16 (bf16 bits), zero past kc and nc.
 // b(k, j) = B[k * ld + j], or B[j * ld + k] when tb.
@@ -92,17 +75,9 @@ void pack_b_panel(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u
     }
     return;
   }
-  i64 pfrom = 0;  // pairs [0, pfrom) already made
-#ifdef TG_BF16_X86
-  if constexpr (std::is_same_v<T, bf16>)
-    if (nc == kNR && ld <= INT32_MAX / 32 && isa() >= Isa::avx512) {  // byte offsets of 16 rows in int32
-      gather_pairs_avx512(B + n0 * ld + k0, ld, full, Bp);
-      pfrom = full;
-    }
-#endif
   for (i64 j = 0; j < nc; ++j) {  // row n0 + j of B is column j of the panel, read in order
     const T* r = B + (n0 + j) * ld + k0;
-    for (i64 p = pfrom; p < full; ++p) Bp[p * kNR + j] = lo_of(r[2 * p]) | hi_of(r[2 * p + 1]);
+    for (i64 p = 0; p < full; ++p) Bp[p * kNR + j] = lo_of(r[2 * p]) | hi_of(r[2 * p + 1]);
     if (full < pairs) Bp[full * kNR + j] = lo_of(r[2 * full]);
   }
   for (i64 p = 0; p < pairs; ++p)
@@ -133,36 +108,19 @@ void pack_a_rows(const Bf16Operand& A, i64 r0, i64 mc, i64 k0, i64 kc, bf16* Ap,
   if (mcp > mc) std::memset(Ap + mc * kcp, 0, static_cast<std::size_t>((mcp - mc) * kcp) * sizeof(bf16));
 }
 
-// The pair words of two k-rows of A^T, w[i] = lo(s[i]) | hi(s[ld + i]) for i < n (s alone when
-// !both: the odd last k). With native, float rows go through the array conversion (as
-// pack_a_rows's) and the words are put together from its output.
-template <class T>
-void pair_words(const T* s, i64 ld, i64 n, bool both, bool native, u32* w) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (native) {
-      bf16 t0[kRowsMax], t1[kRowsMax];
-      bf16_impl::to_bf16_avx512(s, t0, n);
-      if (both) bf16_impl::to_bf16_avx512(s + ld, t1, n);
-      else std::fill(t1, t1 + n, bf16{0});
-      for (i64 i = 0; i < n; ++i) w[i] = lo_of(t0[i]) | hi_of(t1[i]);
-      return;
-    }
-  }
-  if (both)
-    for (i64 i = 0; i < n; ++i) w[i] = lo_of(s[i]) | hi_of(s[ld + i]);
-  else
-    for (i64 i = 0; i < n; ++i) w[i] = lo_of(s[i]);
-}
-
 // op(A) = A^T, a(i, k) = A[k * ld + i], rows [r0, r0 + mc), k in [k0, k0 + kc): panels of 6 rows,
 // Ap[(q * pairs + p) * 6 + i] = a(r0 + 6q + i, k0 + 2p) | a(r0 + 6q + i, k0 + 2p + 1) << 16, zero
 // past mc and kc. Two rows of A at a time, each read in order.
 template <class T>
-void pack_a_trans(const T* A, i64 ld, i64 r0, i64 mc, i64 k0, i64 kc, u32* Ap, bool native) {
+void pack_a_trans(const T* A, i64 ld, i64 r0, i64 mc, i64 k0, i64 kc, u32* Ap) {
   const i64 pairs = (kc + 1) / 2, full = kc / 2, panels = (mc + kMR - 1) / kMR;
   u32 w[kRowsMax + kMR];
   for (i64 p = 0; p < pairs; ++p) {
-    pair_words(A + (k0 + 2 * p) * ld + r0, ld, mc, p < full, native, w);
+    const T* s = A + (k0 + 2 * p) * ld + r0;
+    if (p < full)
+      for (i64 i = 0; i < mc; ++i) w[i] = lo_of(s[i]) | hi_of(s[ld + i]);
+    else
+      for (i64 i = 0; i < mc; ++i) w[i] = lo_of(s[i]);
     for (i64 i = mc; i < panels * kMR; ++i) w[i] = 0;
     for (i64 q = 0; q < panels; ++q) std::memcpy(Ap + (q * pairs + p) * kMR, w + q * kMR, kMR * sizeof(u32));
   }
@@ -498,8 +456,8 @@ void block_product(const GemmBf16& g, Path path, i64 r0, i64 r1, i64 pc, i64 kc,
   const bool native = path == Path::dpbf16;
   const i64 mc = r1 - r0, pairs = (kc + 1) / 2;
   if (g.ta) {
-    if (g.A.f) pack_a_trans(g.A.f, g.A.ld, r0, mc, pc, kc, static_cast<u32*>(Ap), native);
-    else pack_a_trans(g.A.h, g.A.ld, r0, mc, pc, kc, static_cast<u32*>(Ap), native);
+    if (g.A.f) pack_a_trans(g.A.f, g.A.ld, r0, mc, pc, kc, static_cast<u32*>(Ap));
+    else pack_a_trans(g.A.h, g.A.ld, r0, mc, pc, kc, static_cast<u32*>(Ap));
   } else {
     pack_a_rows(g.A, r0, mc, pc, kc, static_cast<bf16*>(Ap), native);
   }

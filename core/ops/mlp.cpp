@@ -92,8 +92,8 @@ void mlp_forward(const Tensor& x, MlpSaved& s, const Tensor& b1, const Tensor& b
   T* pre = s.pre.data<T>();
   // h: float, or bf16 when the products are (ActEpilogue::hb).
   Tensor h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : x.dtype());
-  ActEpilogue<T> act{pre, nullptr, d.bf16 ? nullptr : h.data<T>(), d};
-  if (d.bf16) act.hb = static_cast<kernels::bf16*>(h.raw_data());
+  kernels::bf16* hb = d.bf16 ? static_cast<kernels::bf16*>(h.raw_data()) : nullptr;
+  const ActEpilogue<T> act{pre, nullptr, hb ? nullptr : h.data<T>(), d, nullptr, hb};
   const Tensor& xs = s.x_bf16.defined() ? s.x_bf16 : x;
   detail::run(detail::Product<T>{false, true, d.rows, d.H, d.C, operand<T>(xs, d.C),
                                  operand<T>(d.bf16 ? s.w.w1_bf16 : s.w.w1, d.C), fill_bias(pre, b1, d.rows, d.H), pre,
@@ -135,16 +135,14 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   Tensor dh = Tensor::empty({d.rows, d.F}, s.pre.dtype());
   Tensor dpre = d.act == Act::gelu ? dh : Tensor::empty({d.rows, d.H}, s.pre.dtype());
   kernels::bf16* hb = d.bf16 ? static_cast<kernels::bf16*>(h.raw_data()) : nullptr;
-  ActEpilogue<T> back{pre, dh.data<T>(), dpre.data<T>(), d, hb ? nullptr : h.data<T>()};
-  back.hb = hb;
+  const ActEpilogue<T> back{pre, dh.data<T>(), dpre.data<T>(), d, hb ? nullptr : h.data<T>(), hb};
   const bool want_pre = n.needs_grad(0) || n.needs_grad(1) || n.needs_grad(2);  // dpre is read by x's, w1's, b1's
   if (want_pre) {
     detail::run(detail::Product<T>{false, false, d.rows, d.F, d.out, operand(G, d.out),
                                    operand<T>(d.bf16 ? s.w.w2_bf16 : s.w.w2, d.F), T(0), dh.data<T>(), d.F, d.bf16,
                                    back.epilogue()});
   } else {
-    ActEpilogue<T> fwd{pre, nullptr, hb ? nullptr : h.data<T>(), d};
-    fwd.hb = hb;
+    const ActEpilogue<T> fwd{pre, nullptr, hb ? nullptr : h.data<T>(), d, nullptr, hb};
     kernels::parallel_for(d.rows, d.rows * d.H, [&](i64 lo, i64 hi) { fwd.run(&fwd, lo, hi, 0, d.H); });
   }
   Tensor dw2 = n.new_grad(3);
