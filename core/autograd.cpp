@@ -62,6 +62,10 @@ void add_into(Tensor& dst, const Tensor& src) {
 
 }  // namespace
 
+Tensor Node::reusable_saved(const Tensor& saved) const {
+  return last_run_ && saved.defined() && saved.sole_owner() ? saved : Tensor();
+}
+
 Tensor Node::new_grad(std::size_t i) const {
   if (!needs_grad(i)) return Tensor();
   const AutogradMeta& m = *slots()[i];
@@ -259,7 +263,9 @@ void walk(Tape& tp, std::int64_t from, std::uint64_t mark, bool keep_tape, std::
     for (const auto& in : n.inputs())
       if (in) in->visit = mark;
     TapeAccess::check_saved_versions(n, static_cast<std::size_t>(i));
+    TapeAccess::set_last_run(n, !keep_tape && !anomaly);
     detail::run_backward_timed(n);
+    TapeAccess::set_last_run(n, false);
     if (anomaly) detail::check_anomaly_backward(n, static_cast<std::size_t>(i));
     for (const auto& o : n.outputs())
       if (!o->retains_grad) o->grad.reset();

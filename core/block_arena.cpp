@@ -1,4 +1,4 @@
-// Best-fit segments with splitting and merging: see block_arena.h.
+// First-fit segments with splitting and merging: see block_arena.h.
 #include "block_arena.h"
 
 #include <sys/mman.h>
@@ -66,6 +66,9 @@ BlockArena::Block* BlockArena::map_segment(std::size_t size) {
     throw;
   }
   b->free = true;
+  // Tensors are at most 1 TiB (2^40 bytes), so offsets stay below the next segment's number; past
+  // that the order would blur, which changes where blocks go but never whether they overlap.
+  b->place = mapped_++ << 40;
   free_.insert(std::move(b->node));
   reserved_ += bytes;
   ++segments_;
@@ -75,11 +78,13 @@ BlockArena::Block* BlockArena::map_segment(std::size_t size) {
 void* BlockArena::allocate(std::size_t size) {
   assert(size > 0 && size % kAlign == 0);
   std::lock_guard<std::mutex> lock(mu_);
-  // The smallest free block of at least `size` bytes, the lowest-addressed among equals.
+  // Of the free blocks of at least `size` bytes (the set's tail from lower_bound), the first placed.
   Block probe;
   probe.size = size;
-  auto it = free_.lower_bound(&probe);
-  Block* b = it != free_.end() ? *it : map_segment(size);
+  Block* b = nullptr;
+  for (auto it = free_.lower_bound(&probe); it != free_.end(); ++it)
+    if (!b || (*it)->place < b->place) b = *it;
+  if (!b) b = map_segment(size);
   // Everything that can fail comes first: the split-off block and its node, the entry in used_.
   std::unique_ptr<Block> rest;
   if (b->size - size >= min_split_) rest.reset(new_block(b->addr + size, b->size - size));
@@ -94,6 +99,7 @@ void* BlockArena::allocate(std::size_t size) {
     b->next = r;
     b->size = size;
     r->free = true;
+    r->place = b->place + size;
     free_.insert(std::move(r->node));
   }
   in_use_ += b->size;
@@ -109,10 +115,14 @@ void BlockArena::absorb_next(Block* b) noexcept {
 }
 
 void BlockArena::deallocate(void* p) noexcept {
+  [[maybe_unused]] const bool owned = deallocate_if_owned(p);
+  assert(owned && "BlockArena::deallocate: a pointer not from allocate(), or freed twice");
+}
+
+bool BlockArena::deallocate_if_owned(void* p) noexcept {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = used_.find(p);
-  assert(it != used_.end() && "BlockArena::deallocate: a pointer not from allocate(), or freed twice");
-  if (it == used_.end()) return;
+  if (it == used_.end()) return false;
   Block* b = it->second;
   used_.erase(it);
   in_use_ -= b->size;
@@ -130,6 +140,7 @@ void BlockArena::deallocate(void* p) noexcept {
   }
   free_.insert(std::move(b->node));
   if (reserved_ - in_use_ > max_cached_) release_free_segments_locked();
+  return true;
 }
 
 void BlockArena::release_free_segments_locked() noexcept {

@@ -35,6 +35,9 @@ constexpr std::size_t kMaxCached = std::size_t(2) << 30;  // 2 GiB
 // larger ones in the arena, in segments of kSegmentBytes (or one of their own if larger).
 constexpr std::size_t kSmallMax = std::size_t(64) << 10;
 constexpr std::size_t kSegmentBytes = std::size_t(64) << 20;
+// Long-lived blocks (LongLivedAllocations) in segments of their own, smaller: they are never freed
+// in a run, so a segment's untouched tail is all the slack there is.
+constexpr std::size_t kLongLivedSegmentBytes = std::size_t(16) << 20;
 
 struct Cache {
   std::mutex mu;  // guards the small lists and `bytes`; the arena has its own lock
@@ -42,6 +45,7 @@ struct Cache {
   std::size_t bytes = 0;  // in the small lists
   // A split leaves more than kSmallMax bytes free: less would serve no request the arena sees.
   detail::BlockArena large{kSegmentBytes, kSmallMax + kAlign, kMaxCached};
+  detail::BlockArena long_lived{kLongLivedSegmentBytes, kSmallMax + kAlign, kMaxCached};
   ~Cache() { release(); }
   void release() {
     std::lock_guard<std::mutex> lock(mu);
@@ -51,8 +55,12 @@ struct Cache {
     }
     bytes = 0;
     large.release_free_segments();
+    long_lived.release_free_segments();
   }
 };
+
+// Inside a LongLivedAllocations scope on this thread (its depth).
+thread_local int t_long_lived = 0;
 
 Cache& cache() {
   static Cache* c = new Cache();  // never destroyed: tensors may outlive static destruction order
@@ -106,7 +114,7 @@ struct LocalLists {
     }
   }
   if (size > kSmallMax) {
-    data = cache().large.allocate(size);
+    data = (t_long_lived > 0 ? cache().long_lived : cache().large).allocate(size);
     note_allocated(size);
     return data;
   }
@@ -147,7 +155,7 @@ struct LocalLists {
   }
   Cache& c = cache();
   if (size > kSmallMax) {
-    c.large.deallocate(data);
+    if (!c.long_lived.deallocate_if_owned(data)) c.large.deallocate(data);
     return;
   }
   std::lock_guard<std::mutex> lock(c.mu);
@@ -234,8 +242,11 @@ std::size_t cached_bytes() {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   const LocalLists* local = LocalLists::mine();
-  return c.bytes + c.large.free_bytes() + (local ? local->bytes : 0);
+  return c.bytes + c.large.free_bytes() + c.long_lived.free_bytes() + (local ? local->bytes : 0);
 }
+
+LongLivedAllocations::LongLivedAllocations() { ++t_long_lived; }
+LongLivedAllocations::~LongLivedAllocations() { --t_long_lived; }
 
 void empty_cache() {
   if (LocalLists* local = LocalLists::mine()) {

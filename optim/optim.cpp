@@ -10,6 +10,7 @@
 #include "kernels/parallel.h"
 #include "kernels/reduce.h"
 #include "tapegrad/error.h"
+#include "tapegrad/memory.h"
 
 
 namespace tg::optim {
@@ -206,6 +207,7 @@ double Optimizer::clip_and_step(double max_norm) {
 Tensor& Optimizer::state(std::size_t i, const std::string& key, const Tensor& like) {
   for (auto& [k, t] : state_[i])
     if (k == key) return t;
+  const LongLivedAllocations kept_for_the_run;  // apart from the step's activations (tapegrad/memory.h)
   state_[i].emplace_back(key, zeros(like.shape(), like.dtype()));
   return state_[i].back().second;
 }
@@ -298,6 +300,7 @@ void Optimizer::load_state_dict(const StateDict& sd) {
         errors.push_back(why);
         continue;
       }
+      const LongLivedAllocations kept_for_the_run;  // as state() makes it
       next[n].emplace_back(rest, t.clone());
     } else {
       errors.push_back(key + ": unexpected key");

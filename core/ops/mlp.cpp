@@ -131,7 +131,12 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   const T* pre = s.pre.data<T>();
   // dh = G w2, whose epilogue makes h again (for dw2 = G^T h: the forward's bits) and dpre; then
   // dw2. Without dpre to make (x, w1 and b1 need no gradient) h takes a pass of its own.
-  Tensor h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : s.pre.dtype());  // bf16: as the forward's
+  // h: bf16 as the forward's, or float. A float GELU h goes over the saved pre when no one reads pre
+  // after this backward (Node::reusable_saved): the epilogue reads each pre[i] before it writes
+  // h[i] at the same place, and nothing else reads pre. That saves a (rows, F) buffer at the
+  // moment the last block's backward runs, which is the step's peak of memory.
+  Tensor h = !d.bf16 && d.act == Act::gelu ? n.reusable_saved(s.pre) : Tensor();
+  if (!h.defined()) h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : s.pre.dtype());
   Tensor dh = Tensor::empty({d.rows, d.F}, s.pre.dtype());
   Tensor dpre = d.act == Act::gelu ? dh : Tensor::empty({d.rows, d.H}, s.pre.dtype());
   kernels::bf16* hb = d.bf16 ? static_cast<kernels::bf16*>(h.raw_data()) : nullptr;

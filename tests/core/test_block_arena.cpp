@@ -1,4 +1,4 @@
-// The caching allocator's arena for large blocks (core/block_arena.h): best fit, splitting, merging
+// The caching allocator's arena for large blocks (core/block_arena.h): first fit, splitting, merging
 // of free neighbours, segments, and the bookkeeping a training loop's memory depends on. Each case
 // uses an arena of its own, so addresses and counts are exact.
 #include <sys/resource.h>
@@ -44,25 +44,28 @@ TEST_CASE("arena: blocks are carved one after another from a segment, and a free
   CHECK(arena.largest_free_block() == 8 * MiB - (3 * MiB + 512 * KiB));
 }
 
-TEST_CASE("arena: a request takes the smallest free block it fits, the lowest-addressed of equals") {
+TEST_CASE("arena: a request takes the first free block it fits, in mapping order, then address order") {
   BlockArena arena(16 * MiB, 64 * KiB, 1024 * MiB);
   std::vector<char*> p;
   for (std::size_t size : {1 * MiB, 128 * KiB, 768 * KiB, 128 * KiB, 512 * KiB, 128 * KiB, 256 * KiB, 128 * KiB})
     p.push_back(as_bytes(arena.allocate(size)));
   // Free the 1 MiB, 768 KiB, 512 KiB and 256 KiB blocks: holes separated by live 128 KiB blocks.
   for (int i : {0, 2, 4, 6}) arena.deallocate(p[i]);
-  CHECK(as_bytes(arena.allocate(300 * KiB)) == p[4]);  // 512 KiB is the smallest hole >= 300 KiB
-  // 230 KiB: the 212 KiB left of p[4]'s hole is too small, p[6]'s 256 KiB fits, and the 26 KiB over
-  // is too little to split off (min 64 KiB): the request holds the whole block.
-  CHECK(as_bytes(arena.allocate(230 * KiB)) == p[6]);
-  CHECK(arena.in_use_bytes() == 4 * 128 * KiB + 300 * KiB + 256 * KiB);
-  CHECK(as_bytes(arena.allocate(1 * MiB)) == p[0]);  // an exact fit, though the tail is larger
-  // Two equal holes, one per segment: the 1 MiB left of a second segment after 15 MiB, and p[0]'s.
+  // 300 KiB: the first hole, 1 MiB, though 512 KiB would fit more tightly (best fit's choice).
+  CHECK(as_bytes(arena.allocate(300 * KiB)) == p[0]);
+  // 720 KiB: the 724 KiB left of p[0]'s hole fits, and the 4 KiB over is too little to split off
+  // (min 64 KiB): the request holds the rest of the hole.
+  CHECK(as_bytes(arena.allocate(720 * KiB)) == p[0] + 300 * KiB);
+  CHECK(as_bytes(arena.allocate(600 * KiB)) == p[2]);  // the first hole left that fits: 768 KiB
+  CHECK(arena.in_use_bytes() == 4 * 128 * KiB + 1 * MiB + 600 * KiB);
+  // A second segment, mapped after the first: a hole in the first comes before its free space,
+  // whatever the two segments' addresses.
   char* far = as_bytes(arena.allocate(15 * MiB));
   CHECK(arena.segment_count() == 2);
-  arena.deallocate(p[0]);
-  const auto lower = std::min(reinterpret_cast<std::uintptr_t>(p[0]), reinterpret_cast<std::uintptr_t>(far + 15 * MiB));
-  CHECK(reinterpret_cast<std::uintptr_t>(arena.allocate(1 * MiB)) == lower);
+  CHECK(as_bytes(arena.allocate(200 * KiB)) == p[4]);  // the first segment's 512 KiB hole, not far's tail
+  arena.deallocate(far);
+  CHECK(as_bytes(arena.allocate(1 * MiB)) == p[7] + 128 * KiB);  // the first segment's 13 MiB tail
+  CHECK(as_bytes(arena.allocate(14 * MiB)) == far);  // too large for anything left in the first
 }
 
 TEST_CASE("arena: a freed block merges with free neighbours, so the memory serves any size again") {

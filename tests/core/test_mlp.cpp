@@ -258,3 +258,52 @@ TEST_CASE("a residual added in linear's and mlp's epilogue gives the add's bits,
   REQUIRE_TG_ERROR(mlp(x, param64({6, 4}, 2), Tensor(), param64({2, 6}, 4), Tensor(), "gelu", param64({3, 2}, 3)),
                    "mlp", "residual (2, 2)", "(3, 2)");
 }
+
+TEST_CASE("mlp's backward writes h over the saved pre only when no later backward can read pre", "[mlp]") {
+  // With the tape kept (keep_tape, PyTorch's retain_graph) a second backward reads pre again, so
+  // the first makes h in a buffer of its own; otherwise h goes over pre (Node::reusable_saved), and
+  // the backward's peak of tensor memory is up to one (rows, F) buffer lower (narrow x and y, so
+  // that the buffers of width F make the peak). Either way, the same bits.
+  const MlpCase c{4, 50, 8, 512, true, "gelu"};
+  const std::int64_t rows = c.B * c.T, F = c.H;
+  for (DType dtype : {float32, float64}) {
+    INFO("dtype=" << dtype);
+    Tensor x = leaf({c.B, c.T, c.C}, 1, dtype), w1 = leaf({c.H, c.C}, 2, dtype, 0.3), w2 = leaf({c.C, F}, 3, dtype, 0.3);
+    Tensor b1 = leaf({c.H}, 4, dtype), b2 = leaf({c.C}, 5, dtype);
+    const Tensor dy = to(param64({c.B, c.T, c.C}, 6).detach(), dtype);
+    const auto grads = [&] { return std::vector<Tensor>{x.grad(), w1.grad(), b1.grad(), w2.grad(), b2.grad()}; };
+    const auto clear = [&] {
+      for (Tensor* t : {&x, &w1, &b1, &w2, &b2}) t->zero_grad();
+    };
+    // The peak of tensor memory above what was in use when the backward began.
+    const auto backward_peak = [](const Tensor& y, const Tensor& g, bool keep) {
+      const std::size_t before = memory_allocated();
+      reset_peak_memory_stats();
+      y.backward(g, keep);
+      return max_memory_allocated() - before;
+    };
+    tape().clear();
+    Tensor y = mlp(x, w1, b1, w2, b2, c.act);
+    const std::size_t kept_peak = backward_peak(y, dy, true);
+    const std::vector<Tensor> first = grads();
+    clear();
+    const std::size_t last_peak = backward_peak(y, dy, false);  // the same graph, walked a second time
+    const std::vector<Tensor> second = grads();
+    clear();
+    tape().clear();
+    Tensor y2 = mlp(x, w1, b1, w2, b2, c.act);
+    const std::size_t fresh_peak = backward_peak(y2, dy, false);
+    const std::vector<Tensor> third = grads();
+    for (std::size_t i = 0; i < first.size(); ++i) {
+      INFO("gradient " << i << " (x, w1, b1, w2, b2)");
+      REQUIRE(same_bits(first[i], second[i]));
+      REQUIRE(same_bits(first[i], third[i]));
+    }
+    const std::size_t h_bytes = static_cast<std::size_t>(rows * F) * itemsize(dtype);
+    INFO("peak with the tape kept " << kept_peak << " bytes, freed " << last_peak << ", fresh " << fresh_peak);
+    CHECK(last_peak == fresh_peak);
+    CHECK(kept_peak > last_peak + h_bytes * 9 / 10);
+    CHECK(kept_peak <= last_peak + h_bytes);
+    clear();
+  }
+}

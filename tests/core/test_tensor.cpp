@@ -212,6 +212,28 @@ TEST_CASE("the caching allocator reuses freed blocks") {
 #endif
 }
 
+TEST_CASE("tensors made in a LongLivedAllocations scope keep out of the memory a step frees") {
+  // A block of 4 MiB (the arena's size class) freed outside the scope stays for the next request
+  // outside it; one made inside the scope comes from segments of its own, and goes back there.
+  empty_cache();
+  void* freed = nullptr;
+  { Tensor step = zeros({1 << 20}); freed = step.raw_data(); }
+  {
+    const LongLivedAllocations scope;
+    Tensor state = zeros({1 << 20});
+    CHECK(state.raw_data() != freed);
+    { const LongLivedAllocations nested; }  // scopes nest: the outer one still holds after this
+    Tensor more = zeros({1 << 20});
+    CHECK(more.raw_data() != freed);
+  }
+#if !defined(__SANITIZE_ADDRESS__)
+  CHECK(cached_bytes() >= 3 * (std::size_t(4) << 20));  // the three blocks, each in its own arena's cache
+  { Tensor step = zeros({1 << 20}); CHECK(step.raw_data() == freed); }
+#endif
+  empty_cache();
+  CHECK(cached_bytes() == 0);
+}
+
 TEST_CASE("tensor handles can be copied and dropped from several threads at once") {
   // Storages and autograd slots count their references atomically (detail::Ref), as shared_ptr
   // does, so threads may share a parameter and copy it freely. Counts updated without atomics

@@ -64,6 +64,13 @@ class Node {
     return *this;
   }
 
+  // A tensor this node saved, for the backward to write its own results over, when nothing can read
+  // it afterwards: the walk frees the node once this backward returns (backward() without
+  // keep_tape, not in anomaly mode) and no other tensor shares its memory. Otherwise an undefined
+  // tensor. As new_grad's reuse of dy, it spends memory the step has already paid for (mlp's
+  // backward writes h over the saved x w1^T + b1 it was made from).
+  Tensor reusable_saved(const Tensor& saved) const;
+
   // ---- what printing and tools read ----
   const char* name() const { return op_; }  // the op's name, a static string
   bool freed() const { return freed_; }     // its backward has run, or it was swept
@@ -85,6 +92,7 @@ class Node {
   bool freed_ = false;
   bool overwrite_ok_ = false;            // may_reuse_grad_out()
   mutable bool grad_out_given_ = false;  // new_grad handed output 0's gradient out
+  bool last_run_ = false;                // the walk frees the node after this backward (reusable_saved)
   std::uint64_t undefined_inputs_ = 0;   // bit i: input i was an undefined (optional) tensor
   Tensor* saved_ = nullptr;
   void* closure_ = nullptr;
