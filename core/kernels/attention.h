@@ -112,6 +112,14 @@ TileOperand<T> tile_operand(bool bf16, const T* x, std::int64_t ld, std::int64_t
   return {buf, cols};
 }
 
+// The same operand from a bf16 copy of x (bf16 only): to_float is exact, so these are the values
+// that rounding x gives.
+inline TileOperand<float> tile_operand(bool, const bf16* x, std::int64_t ld, std::int64_t rows, std::int64_t cols,
+                                       float* buf) {
+  for (std::int64_t r = 0; r < rows; ++r) to_float(x + r * ld, buf + r * cols, cols);
+  return {buf, cols};
+}
+
 // Valid keys of query row i in the key tile starting at c0 of width bc (at least 1 when causal:
 // tiles start at multiples of kAttnTile, so c0 <= the tile's first row <= i).
 inline std::int64_t attn_valid(const AttnDims& d, std::int64_t i, std::int64_t c0, std::int64_t bc) {
@@ -389,12 +397,13 @@ void flash_backward_pair(TileOperand<T> q, TileOperand<T> k, TileOperand<T> g, T
                   !first_i);  // dk_j (+)= dS^T q_i
 }
 
-// One (batch, head): its blocks of dqkv, key tiles outside, query tiles inside.
-template <class T>
-void flash_backward_head(const T* qkv, const T* y, const T* lse, const T* dy, T* dqkv, const AttnDims& d,
+// One (batch, head): its blocks of dqkv, key tiles outside, query tiles inside. qkv is float, or
+// (bf16 only) its bf16 copy.
+template <class T, class Q>
+void flash_backward_head(const Q* qkv, const T* y, const T* lse, const T* dy, T* dqkv, const AttnDims& d,
                          std::int64_t b, std::int64_t h, FlashBwdScratch<T>& w) {
   const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), ld = 3 * C;
-  const T* head = qkv + b * Tn * ld + h * hs;
+  const Q* head = qkv + b * Tn * ld + h * hs;
   const T* gy = dy + b * Tn * C + h * hs;
   const T* yy = y + b * Tn * C + h * hs;
   for (std::int64_t i = 0; i < Tn; ++i) {  // D_i = dy_i . y_i
@@ -418,10 +427,13 @@ void flash_backward_head(const T* qkv, const T* y, const T* lse, const T* dy, T*
   }
 }
 
-// qkv (B, T, 3C), y (B, T, C), lse (B, H, T), dy (B, T, C) -> dqkv (B, T, 3C)
-template <class T>
-void flash_attention_backward(const T* qkv, const T* y, const T* lse, const T* dy, T* dqkv, const AttnDims& d) {
+// qkv (B, T, 3C), y (B, T, C), lse (B, H, T), dy (B, T, C) -> dqkv (B, T, 3C). With d.bf16, qkv
+// may be the bf16 copy of the forward's (what an autocast scope's op keeps: half the memory, and
+// the same bits, since the products round their operands to bf16 anyway).
+template <class T, class Q>
+void flash_attention_backward(const Q* qkv, const T* y, const T* lse, const T* dy, T* dqkv, const AttnDims& d) {
   assert((!d.bf16 || std::is_same_v<T, float>));
+  assert((std::is_same_v<Q, T> || (d.bf16 && std::is_same_v<Q, bf16>)));
   // Every element of dqkv belongs to exactly one (b, h) and one of q, k, v, whose products write
   // it (flash_backward_pair); with hs = 0, dqkv is empty.
   if (d.hs() == 0) return;

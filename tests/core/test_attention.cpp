@@ -218,6 +218,16 @@ TEST_CASE("causal attention keeps qkv, y and lse for its backward: nothing of si
   CHECK(tape().bytes_saved() - before == static_cast<std::size_t>((B * T * 3 * C + B * T * C + B * H * T) * 4));
   y.sum().backward();
   CHECK(qkv.grad().shape() == qkv.shape());
+  // Under autocast qkv is kept as its bf16 copy (2 bytes an element); the backward's bits are the
+  // float copy's ("causal attention under autocast makes its products in bf16" below).
+  Tensor y16;
+  const std::size_t before16 = tape().bytes_saved();
+  {
+    AutocastGuard bf16;
+    y16 = causal_attention(qkv, H);
+  }
+  CHECK(tape().bytes_saved() - before16 == static_cast<std::size_t>(B * T * 3 * C * 2 + (B * T * C + B * H * T) * 4));
+  y16.sum().backward();
 }
 
 TEST_CASE("causal attention on T = 0 and C = 0: empty outputs, zero gradients") {
