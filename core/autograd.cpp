@@ -63,7 +63,10 @@ void add_into(Tensor& dst, const Tensor& src) {
 }  // namespace
 
 Tensor Node::reusable_saved(const Tensor& saved) const {
-  return last_run_ && saved.defined() && saved.sole_owner() ? saved : Tensor();
+  if (!freed_after_run_ || !saved.defined() || !saved.sole_owner()) return Tensor();
+  Tensor t = saved;
+  t.bump_version();
+  return t;
 }
 
 Tensor Node::new_grad(std::size_t i) const {
@@ -241,6 +244,16 @@ void seed_root(AutogradMeta& rm, const Tensor& seed, bool seed_aliased) {
   });
 }
 
+// For the time of a node's backward: whether the walk frees it after (Node::reusable_saved); reset
+// however the backward ends.
+struct FreedAfterRun {
+  Node& n;
+  FreedAfterRun(Node& node, bool freed) : n(node) { TapeAccess::set_freed_after_run(n, freed); }
+  ~FreedAfterRun() { TapeAccess::set_freed_after_run(n, false); }
+  FreedAfterRun(const FreedAfterRun&) = delete;
+  FreedAfterRun& operator=(const FreedAfterRun&) = delete;
+};
+
 // A node runs when one of its outputs was reached and holds a gradient.
 bool reached(const Node& n, std::uint64_t mark) {
   for (const auto& o : n.outputs())
@@ -263,9 +276,10 @@ void walk(Tape& tp, std::int64_t from, std::uint64_t mark, bool keep_tape, std::
     for (const auto& in : n.inputs())
       if (in) in->visit = mark;
     TapeAccess::check_saved_versions(n, static_cast<std::size_t>(i));
-    TapeAccess::set_last_run(n, !keep_tape && !anomaly);
-    detail::run_backward_timed(n);
-    TapeAccess::set_last_run(n, false);
+    {
+      FreedAfterRun scope(n, !keep_tape && !anomaly);
+      detail::run_backward_timed(n);
+    }
     if (anomaly) detail::check_anomaly_backward(n, static_cast<std::size_t>(i));
     for (const auto& o : n.outputs())
       if (!o->retains_grad) o->grad.reset();

@@ -67,7 +67,8 @@ BlockArena::Block* BlockArena::map_segment(std::size_t size) {
   }
   b->free = true;
   // Tensors are at most 1 TiB (2^40 bytes), so offsets stay below the next segment's number; past
-  // that the order would blur, which changes where blocks go but never whether they overlap.
+  // that, or once 2^24 segments have been mapped (mapped_ << 40 wraps), the order blurs, which
+  // changes where blocks go but never whether they overlap.
   b->place = mapped_++ << 40;
   free_.insert(std::move(b->node));
   reserved_ += bytes;

@@ -12,8 +12,10 @@
 // large bins before it).
 //
 // Which free block: the first that fits, in the order of the segments' mapping and of addresses
-// within a segment (address-ordered first fit; Wilson, Johnstone, Neely and Boles, "Dynamic Storage
-// Allocation: A Survey and Critical Review", 1995, find it among the least fragmenting policies).
+// within a segment (a variant of address-ordered first fit, which Wilson, Johnstone, Neely and
+// Boles, "Dynamic Storage Allocation: A Survey and Critical Review", 1995, find among the least
+// fragmenting policies). Finding it scans the free blocks large enough, under the lock: a step's
+// few hundred large requests cost under 0.1% of a medium step's samples in `perf`.
 // What counts here is resident memory, and a page is resident from its first touch: first fit keeps
 // the blocks at the front of the oldest segments, so the ends of the segments and the newest ones
 // are touched only when the blocks in use really need them. Best fit (the smallest block that fits)

@@ -35,8 +35,9 @@ constexpr std::size_t kMaxCached = std::size_t(2) << 30;  // 2 GiB
 // larger ones in the arena, in segments of kSegmentBytes (or one of their own if larger).
 constexpr std::size_t kSmallMax = std::size_t(64) << 10;
 constexpr std::size_t kSegmentBytes = std::size_t(64) << 20;
-// Long-lived blocks (LongLivedAllocations) in segments of their own, smaller: they are never freed
-// in a run, so a segment's untouched tail is all the slack there is.
+// Long-lived blocks (LongLivedAllocations) in segments of their own, smaller: they are seldom freed
+// in a run (a loaded optimizer state replaces the old one), so a segment's untouched tail is most
+// of the slack there is.
 constexpr std::size_t kLongLivedSegmentBytes = std::size_t(16) << 20;
 
 struct Cache {

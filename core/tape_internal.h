@@ -48,7 +48,7 @@ struct TapeAccess {
   static const Node& node(const Tape& t, std::size_t i) { return t.nodes_[i]; }
   static void run(Node& n) { n.ops_->call(n.closure_, n); }
   // Whether the walk frees n once its backward returns (Node::reusable_saved).
-  static void set_last_run(Node& n, bool last) { n.last_run_ = last; }
+  static void set_freed_after_run(Node& n, bool freed) { n.freed_after_run_ = freed; }
   static std::uint64_t undefined_inputs(const Node& n) { return n.undefined_inputs_; }
   static std::size_t n_saved(const Node& n) { return n.n_saved_; }
   static const Tensor* saved(const Node& n) { return n.saved_; }

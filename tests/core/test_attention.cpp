@@ -227,7 +227,7 @@ TEST_CASE("causal attention keeps qkv, y and lse for its backward: nothing of si
     y16 = causal_attention(qkv, H);
   }
   CHECK(tape().bytes_saved() - before16 == static_cast<std::size_t>(B * T * 3 * C * 2 + (B * T * C + B * H * T) * 4));
-  y16.sum().backward();
+  tape().clear();
 }
 
 TEST_CASE("causal attention on T = 0 and C = 0: empty outputs, zero gradients") {

@@ -415,7 +415,7 @@ TEST_CASE("an optimizer's state keeps out of the memory that a step frees", "[op
     void* freed = nullptr;
     { Tensor activation = tg::zeros({1 << 20}); freed = activation.raw_data(); }
     opt->step();
-    CHECK(opt->state_dict().size() > 2);  // the state was made
+    CHECK(opt->state_dict().contains(name == "AdamW" ? "state.0.exp_avg" : "state.0.momentum_buffer"));
 #if !defined(__SANITIZE_ADDRESS__)  // (no cache under AddressSanitizer)
     Tensor next = tg::zeros({1 << 20});
     CHECK(next.raw_data() == freed);

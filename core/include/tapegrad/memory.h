@@ -21,7 +21,9 @@ void empty_cache();
 // made at the first step(), when the backward has freed the step's activations: placed in their
 // blocks, each would split the memory that the next forward reuses. The optimizers make their
 // state in one (at the medium GPT size: 398 MiB peak resident memory, against 408 without). A
-// tensor made in one may be freed at any time, as any other.
+// tensor made in one may be freed at any time, on any thread, as any other. The scope is the
+// calling thread's: tensors that OpenMP's worker threads make meanwhile are not in it. Destroy it
+// on the thread that made it (a local variable does).
 class LongLivedAllocations {
  public:
   LongLivedAllocations();

@@ -68,7 +68,9 @@ class Node {
   // it afterwards: the walk frees the node once this backward returns (backward() without
   // keep_tape, not in anomaly mode) and no other tensor shares its memory. Otherwise an undefined
   // tensor. As new_grad's reuse of dy, it spends memory the step has already paid for (mlp's
-  // backward writes h over the saved x w1^T + b1 it was made from).
+  // backward writes h over the saved x w1^T + b1 it was made from). The tensor's version is bumped
+  // as it is handed out: should the backward throw before the node is freed, a later walk through
+  // the node is refused (a saved tensor modified in place) instead of reading what was written.
   Tensor reusable_saved(const Tensor& saved) const;
 
   // ---- what printing and tools read ----
@@ -92,7 +94,7 @@ class Node {
   bool freed_ = false;
   bool overwrite_ok_ = false;            // may_reuse_grad_out()
   mutable bool grad_out_given_ = false;  // new_grad handed output 0's gradient out
-  bool last_run_ = false;                // the walk frees the node after this backward (reusable_saved)
+  bool freed_after_run_ = false;         // the walk frees the node after this backward (reusable_saved)
   std::uint64_t undefined_inputs_ = 0;   // bit i: input i was an undefined (optional) tensor
   Tensor* saved_ = nullptr;
   void* closure_ = nullptr;
