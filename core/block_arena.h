@@ -14,13 +14,13 @@
 // Which free block: the first that fits, in the order of the segments' mapping and of addresses
 // within a segment (a variant of address-ordered first fit, which Wilson, Johnstone, Neely and
 // Boles, "Dynamic Storage Allocation: A Survey and Critical Review", 1995, find among the least
-// fragmenting policies). Finding it scans the free blocks large enough, under the lock: a step's
-// few hundred large requests cost under 0.1% of a medium step's samples in `perf`.
+// fragmenting policies). Finding it scans the free blocks large enough, under the lock: a training
+// step makes a few hundred large requests, each one product's or one activation's worth of work.
 // What counts here is resident memory, and a page is resident from its first touch: first fit keeps
 // the blocks at the front of the oldest segments, so the ends of the segments and the newest ones
 // are touched only when the blocks in use really need them. Best fit (the smallest block that fits)
-// spreads a training step's blocks over every hole: in the medium GPT's step (416 MiB mapped, a
-// 361 MiB peak of tensors) the process's peak resident memory was 434 MiB best fit, 398 first fit.
+// spreads a training step's blocks over every hole, and over a few steps touches nearly every page
+// mapped (docs/performance.md, "Memory, and the targets again on Zen 4").
 //
 // Segments are mapped from the system (anonymous mmap) and kept: a page costs resident memory from
 // its first touch, so a segment's untouched tail costs nothing, and after the first step or two a

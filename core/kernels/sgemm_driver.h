@@ -145,17 +145,18 @@ struct Driver {
   // Whether MR rows of A, lda floats apart, read in place, crowd into one set of a 64-set L1 of
   // 64-byte lines (Zen 4's 32 KB 8-way, Zen 5's and recent Intel's 48 KB 12-way) beyond 8, the
   // smallest of those associativities: a stride of 3,072 floats (12 KB) puts all 14 rows of the
-  // AVX-512 tile in one set, and each k step then misses in L1 (the GPT-2-small shape's MLP output
-  // product ran at 0.46-0.61 of Zen 4's FMA peak, 0.78-0.86 packed). Such rows are packed instead
+  // AVX-512 tile in one set, and each k step then misses in L1. Such rows are packed instead
   // (pack_a_rows): the same values in the same order, so the same bits. Fewer rows per set are read
-  // in place: at 7 rows per set (a stride of 1,536) and at 3-4 (768) packing measured 3-8% slower,
-  // its cost larger than the misses it saves (docs/performance.md).
+  // in place, where packing costs more than the misses it saves (docs/matmul.md, measured in
+  // docs/performance.md).
   static bool rows_crowd_l1(i64 lda) {
     int in_set[64] = {};
     for (int i = 0; i < MR; ++i)
       if (++in_set[(static_cast<std::uint64_t>(i) * static_cast<std::uint64_t>(lda) * 4 / 64) % 64] > 8) return true;
     return false;
   }
+  // Whether block_product packs every panel of op(A) (into Ap, rows x kc), not only the edge.
+  static bool packs_a(bool ta, i64 lda) { return ta || rows_crowd_l1(lda); }
 
   // op(A) = A, mc rows by kc, into panels of MR rows as pack_a_trans's: Ap[p * kc * MR + k * MR + i]
   // = A[(MR p + i) * lda + k], the last panel zero padded.
@@ -250,7 +251,7 @@ struct Driver {
     const i64 mc = r1 - r0, mfull = mc / MR * MR;
     const int medge = static_cast<int>(mc - mfull);
     const float* Ablk = ta ? A + pc * lda + r0 : A + r0 * lda + pc;  // a(r0, pc)
-    const bool packed = ta || rows_crowd_l1(lda);  // every panel of A packed (else only the edge)
+    const bool packed = packs_a(ta, lda);
     if (ta) pack_a_trans(Ablk, lda, mc, kc, Ap);
     else if (packed) pack_a_rows(Ablk, lda, mc, kc, Ap);
     else if (medge) pack_a_edge(Ablk + mfull * lda, lda, medge, kc, Ap);
@@ -282,7 +283,7 @@ struct Driver {
                     i64 ldb, float beta, float* C, i64 ldc, Tri tri) {
     if (no_product(M, N, K, alpha, beta, C, ldc)) return;
     const i64 kcb = block(K, KC, 4), mcb = block(M, MC, MR);
-    float* Ap = tl_a.get((ta || rows_crowd_l1(lda) ? mcb : MR) * kcb);
+    float* Ap = tl_a.get((packs_a(ta, lda) ? mcb : MR) * kcb);
     float* Bp = tl_b.get((std::min(NC, N) + NR - 1) / NR * NR * kcb);
     if (!Ap || !Bp) {  // no memory for the packed operands (this may run inside a parallel region)
       sgemm_unpacked(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -339,7 +340,7 @@ struct Driver {
     i64 slabs() const { return (kcb + kSlab - 1) / kSlab; }
     i64 units() const { return nkb * (g->tb ? panels : slabs()); }
     i64 b_floats() const { return nkb * panels * pstride; }
-    i64 a_floats() const { return (g->ta || rows_crowd_l1(g->lda) ? rows : MR) * kcb; }
+    i64 a_floats() const { return (packs_a(g->ta, g->lda) ? rows : MR) * kcb; }
     void pack(i64 u) const {
       const Gemm<float>& p = *g;
       if (p.tb) {

@@ -134,8 +134,7 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   // h: bf16 as the forward's, or float. A float GELU h goes over the saved pre when no one reads pre
   // after this backward (Node::reusable_saved): the epilogue reads each pre[i] before it writes
   // h[i] at the same place, and nothing else reads pre. That saves a (rows, F) buffer where the
-  // last block's backward runs, the step's peak of memory (at the medium GPT size the peak fell
-  // by 6.7 MiB of the buffer's 12: the next highest moment is then the peak).
+  // last block's backward runs, the step's peak of memory.
   Tensor h = !d.bf16 && d.act == Act::gelu ? n.reusable_saved(s.pre) : Tensor();
   if (!h.defined()) h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : s.pre.dtype());
   Tensor dh = Tensor::empty({d.rows, d.F}, s.pre.dtype());

@@ -20,10 +20,9 @@ void empty_cache();
 // pool). It is for tensors made once and kept for the run, such as an optimizer's state, which is
 // made at the first step(), when the backward has freed the step's activations: placed in their
 // blocks, each would split the memory that the next forward reuses. The optimizers make their
-// state in one (at the medium GPT size: 398 MiB peak resident memory, against 408 without). A
-// tensor made in one may be freed at any time, on any thread, as any other. The scope is the
-// calling thread's: tensors that OpenMP's worker threads make meanwhile are not in it. Destroy it
-// on the thread that made it (a local variable does).
+// state in one. A tensor made in one may be freed at any time, on any thread, as any other. The
+// scope is the calling thread's: tensors that OpenMP's worker threads make meanwhile are not in
+// it. Destroy it on the thread that made it (a local variable does).
 class LongLivedAllocations {
  public:
   LongLivedAllocations();
@@ -31,6 +30,7 @@ class LongLivedAllocations {
   LongLivedAllocations(const LongLivedAllocations&) = delete;
   LongLivedAllocations& operator=(const LongLivedAllocations&) = delete;
 };
+
 // Bytes of tensor memory in use (all threads; the few bytes kept inside a Storage excepted), and
 // the most in use at once since the program started or reset_peak_memory_stats() (PyTorch's
 // torch.cuda.memory_allocated, max_memory_allocated and reset_peak_memory_stats, for this CPU
