@@ -45,6 +45,18 @@ struct Epilogue {
   }
 };
 
+// Asks for the lines of a register tile of C, rows [0, mv) x columns [0, nv), ld floats apart,
+// before a kernel sums into it: the tile is written (and read, after the first block of K) only at
+// the end, and without the hint each of its rows waits there for memory when C is larger than the
+// cache. A hint only: it changes no result.
+inline void prefetch_tile(const float* C, std::int64_t ld, int mv, int nv) {
+  for (int i = 0; i < mv; ++i) {
+    const float* r = C + i * ld;
+    for (int j = 0; j < nv; j += 16) __builtin_prefetch(r + j, 1);
+    __builtin_prefetch(r + nv - 1, 1);  // the row's last line, when it starts inside a line
+  }
+}
+
 // One product's arguments, as gemm's, for gemm_pair; ep, when set, runs on C's blocks as they
 // are finished.
 template <class T>

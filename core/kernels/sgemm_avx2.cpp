@@ -34,6 +34,7 @@ struct Tile {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
            c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     const i64 row = ROWS ? lda : 1, step = ROWS ? 1 : lda;
+    prefetch_tile(C, ldc, mv, nv);
     const float *a0 = A, *a1 = A + row, *a2 = A + 2 * row, *a3 = A + 3 * row, *a4 = A + 4 * row, *a5 = A + 5 * row;
 #pragma GCC unroll 4
     for (i64 k = 0; k < kc; ++k) {

@@ -31,10 +31,7 @@ struct Tile {
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
     const i64 row = ROWS ? lda : 1, step = ROWS ? 1 : lda;
-    // C's lines are fetched now, so their misses overlap the products instead of stalling the
-    // stores at the end.
-    for (int i = 0; i < mv; ++i)
-      for (int j = 0; j < nv; j += 16) _mm_prefetch(reinterpret_cast<const char*>(C + i * ldc + j), _MM_HINT_ET0);
+    prefetch_tile(C, ldc, mv, nv);
 #pragma GCC unroll 2
     for (i64 k = 0; k < kc; ++k) {
       const __m512 b0 = _mm512_load_ps(Bp), b1 = _mm512_load_ps(Bp + 16);

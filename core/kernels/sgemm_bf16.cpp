@@ -231,10 +231,7 @@ void kernel_native(i64 pairs, const u32* A, i64 row, const u32* Bp, float* C, i6
   const u32* a[kMR];
 #pragma GCC unroll 6
   for (int i = 0; i < kMR; ++i) a[i] = A + (ROWS ? i * row : i);
-  // The tile of C is written (and read, after the first K block) when the sums are done; its lines
-  // are fetched now, so their misses overlap the products instead of stalling the stores.
-  for (int i = 0; i < mv; ++i)
-    for (int j = 0; j < nv; j += 16) _mm_prefetch(reinterpret_cast<const char*>(C + i * ldc + j), _MM_HINT_ET0);
+  prefetch_tile(C, ldc, mv, nv);
 #pragma GCC unroll 2
   for (i64 p = 0; p < pairs; ++p) {
     __m512bh b[4];
