@@ -11,10 +11,7 @@
 // Each element is the same formula as the unfused ops' kernels (elementwise.h's GeluErfOp,
 // llama.h's swiglu_forward / swiglu_backward), so the fused MLP gives their bits.
 //
-// With bf16 products, h is read only by products, which round it to bf16 while they pack it: the
-// epilogues then write h as bf16 (the overloads below with a bf16 h, float only), rounded by
-// to_bf16 as the packing would, so the products read half the bytes and convert nothing, and the
-// results are the same bits.
+// Under autocast (bf16 products) the epilogues are the _bf16 versions at the end.
 #include <algorithm>
 #include <cstdint>
 
@@ -64,11 +61,24 @@ void swiglu_grad_rows(const T* pre, const T* dh, T* dpre, T* h, std::int64_t F, 
   }
 }
 
-// Float values made in chunks on the stack and stored as bf16: make(t, j0, n) fills t[0, n) with
-// the values of columns [j0, j0 + n), which go to out[j0, j0 + n).
+// ---- Under autocast ----------------------------------------------------------------------------
+// With bf16 products (inside an autocast scope) the MLP is PyTorch autocast's: the first product's
+// output is a bf16 tensor there, so the activation reads pre rounded to bf16, and the gradient
+// that flows back into pre is rounded to bf16 as well. The node then keeps pre as bf16 (half the
+// bytes of the largest tensor it saves). The unfused twin spells the same thing out with public
+// ops: linear, .to(bfloat16).to(float32), the activation, linear (composite::mlp).
+//
+// h is read only by products, which round it to bf16 while they pack it: the epilogues write it as
+// bf16 directly, rounded by to_bf16 as the packing would, so the products read half the bytes and
+// convert nothing, and the results are the same bits.
+//
+// The values go through chunks of kChunk on the stack.
+constexpr std::int64_t kChunk = 256;
+
+// Float values made in chunks and stored as bf16: make(t, j0, n) fills t[0, n) with the values of
+// columns [j0, j0 + n), which go to out[j0, j0 + n).
 template <class Make>
 void store_bf16(bf16* out, std::int64_t j0, std::int64_t j1, Make&& make) {
-  constexpr std::int64_t kChunk = 256;
   float t[kChunk];
   for (std::int64_t j = j0; j < j1; j += kChunk) {
     const std::int64_t n = std::min(kChunk, j1 - j);
@@ -77,45 +87,88 @@ void store_bf16(bf16* out, std::int64_t j0, std::int64_t j1, Make&& make) {
   }
 }
 
-// gelu_block with h as bf16.
-inline void gelu_block(const float* pre, bf16* h, std::int64_t H, std::int64_t r0, std::int64_t r1, std::int64_t c0,
-                       std::int64_t c1) {
+// t[0, n) = x[0, n) rounded to bf16 (as float; n <= kChunk). From the product's float pre, whose
+// bf16 bits also go to keep when it is set (the node's saved pre); from the saved bf16 pre, exact.
+inline void rounded(const float* x, bf16* keep, float* t, std::int64_t n) {
+  bf16 b[kChunk];
+  bf16* dst = keep ? keep : b;
+  to_bf16(x, dst, n);
+  to_float(dst, t, n);
+}
+inline void rounded(const bf16* x, bf16*, float* t, std::int64_t n) { to_float(x, t, n); }
+
+// x[0, n) rounded to bf16 in place: the gradient of pre as the unfused twin's .to() makes it.
+inline void round_in_place(float* x, std::int64_t n) {
+  bf16 b[kChunk];
+  for (std::int64_t j = 0; j < n; j += kChunk) {
+    const std::int64_t m = std::min(kChunk, n - j);
+    to_bf16(x + j, b, m);
+    to_float(b, x + j, m);
+  }
+}
+
+// h (bf16) = gelu(rounded pre) on rows [r0, r1), columns [c0, c1). P: float, the forward's product
+// output (its bf16 bits go to keep when set), or bf16, the saved pre (keep null).
+template <class P>
+void gelu_block_bf16(const P* pre, bf16* keep, bf16* h, std::int64_t H, std::int64_t r0, std::int64_t r1,
+                     std::int64_t c0, std::int64_t c1) {
   const GeluErfOp op;
   for (std::int64_t r = r0; r < r1; ++r)
     store_bf16(h + r * H, c0, c1, [&](float* t, std::int64_t j0, std::int64_t n) {
-      for (std::int64_t j = 0; j < n; ++j) t[j] = op.f(pre[r * H + j0 + j]);
+      const std::int64_t i = r * H + j0;
+      rounded(pre + i, keep ? keep + i : nullptr, t, n);
+      for (std::int64_t j = 0; j < n; ++j) t[j] = op.f(t[j]);
     });
 }
 
-// gelu_grad_block with h as bf16.
-inline void gelu_grad_block(const float* pre, const float* dh, float* dpre, bf16* h, std::int64_t H, std::int64_t r0,
-                            std::int64_t r1, std::int64_t c0, std::int64_t c1) {
+// The backward's epilogue from the saved bf16 pre: h (bf16) = gelu(pre) and dpre = dh gelu'(pre)
+// rounded to bf16; dpre may be dh.
+inline void gelu_grad_block_bf16(const bf16* pre, const float* dh, float* dpre, bf16* h, std::int64_t H,
+                                 std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
   const GeluErfOp op;
   for (std::int64_t r = r0; r < r1; ++r)
     store_bf16(h + r * H, c0, c1, [&](float* t, std::int64_t j0, std::int64_t n) {
+      const std::int64_t i = r * H + j0;
+      float p[kChunk];
+      to_float(pre + i, p, n);
       for (std::int64_t j = 0; j < n; ++j) {
-        const std::int64_t i = r * H + j0 + j;
         float d;
-        op.fdf(pre[i], t[j], d);
-        dpre[i] = dh[i] * d;
+        op.fdf(p[j], t[j], d);
+        dpre[i + j] = dh[i + j] * d;
       }
+      round_in_place(dpre + i, n);
     });
 }
 
-// swiglu_rows and swiglu_grad_rows with h as bf16.
-inline void swiglu_rows(const float* pre, bf16* h, std::int64_t F, std::int64_t r0, std::int64_t r1) {
+// h (bf16) = silu(gate) up from rounded pre on rows [r0, r1); P and keep as gelu_block_bf16.
+template <class P>
+void swiglu_rows_bf16(const P* pre, bf16* keep, bf16* h, std::int64_t F, std::int64_t r0, std::int64_t r1) {
   for (std::int64_t r = r0; r < r1; ++r)
     store_bf16(h + r * F, 0, F, [&](float* t, std::int64_t j0, std::int64_t n) {
-      const float* g = pre + r * 2 * F + j0;  // the gate; the up projection F further
-      for (std::int64_t j = 0; j < n; ++j) t[j] = swiglu_one(g[j], g[F + j]);
+      const std::int64_t g = r * 2 * F + j0, u = g + F;  // the gate's and the up projection's columns
+      float gv[kChunk], uv[kChunk];
+      rounded(pre + g, keep ? keep + g : nullptr, gv, n);
+      rounded(pre + u, keep ? keep + u : nullptr, uv, n);
+      for (std::int64_t j = 0; j < n; ++j) t[j] = swiglu_one(gv[j], uv[j]);
     });
 }
-inline void swiglu_grad_rows(const float* pre, const float* dh, float* dpre, bf16* h, std::int64_t F,
-                             std::int64_t r0, std::int64_t r1) {
-  for (std::int64_t r = r0; r < r1; ++r) {  // a row at a time, as the float version: pre's row stays in cache
-    swiglu_rows(pre, h, F, r, r + 1);
-    swiglu_grad_row(pre + r * 2 * F, dh + r * F, dpre + r * 2 * F, F);
-  }
+
+// The backward's epilogue from the saved bf16 pre on rows [r0, r1): h (bf16) = silu(gate) up and
+// dpre = (dh up silu'(gate), dh silu(gate)) rounded to bf16.
+inline void swiglu_grad_rows_bf16(const bf16* pre, const float* dh, float* dpre, bf16* h, std::int64_t F,
+                                  std::int64_t r0, std::int64_t r1) {
+  for (std::int64_t r = r0; r < r1; ++r)
+    store_bf16(h + r * F, 0, F, [&](float* t, std::int64_t j0, std::int64_t n) {
+      const std::int64_t g = r * 2 * F + j0, u = g + F;
+      float x[2 * kChunk], dx[2 * kChunk];  // a chunk's gate then up, as swiglu_grad_row reads them
+      to_float(pre + g, x, n);
+      to_float(pre + u, x + n, n);
+      for (std::int64_t j = 0; j < n; ++j) t[j] = swiglu_one(x[j], x[n + j]);
+      swiglu_grad_row(x, dh + r * F + j0, dx, n);
+      round_in_place(dx, 2 * n);
+      std::copy(dx, dx + n, dpre + g);
+      std::copy(dx + n, dx + 2 * n, dpre + u);
+    });
 }
 
 }  // namespace tg::kernels

@@ -9,6 +9,7 @@
 #include "dispatch.h"
 #include "ops/attention.h"
 #include "ops/llama.h"
+#include "tapegrad/autocast.h"
 #include "tapegrad/composite.h"
 #include "tapegrad/ops.h"
 
@@ -87,7 +88,10 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
            const char* activation, const Tensor& residual) {
   const std::string a = activation ? activation : "";
   if (a != "gelu" && a != "swiglu") fail("mlp", "activation must be \"gelu\" or \"swiglu\", got \"", a, "\"");
-  const Tensor pre = linear(x, w1, b1);
+  Tensor pre = linear(x, w1, b1);
+  // Under autocast the activation reads pre rounded to bf16, and pre's gradient is rounded too, as
+  // in PyTorch's autocast, whose linear returns bf16 (kernels/mlp.h).
+  if (is_autocast_enabled() && pre.dtype() == float32) pre = pre.to(bfloat16).to(float32);
   const Tensor y = linear(a == "gelu" ? tg::gelu(pre) : tg::swiglu(pre), w2, b2);  // the ops.h activations
   return residual.defined() ? residual + y : y;
 }

@@ -7,8 +7,9 @@
 // Backward, with G = d out:
 //   dh = G w2, with h = act(pre) and dpre = act'(pre) dh in its epilogue;  dw2 = G^T h;
 //   db2 = sum_rows G;  dx = dpre w1;  dw1 = dpre^T x;  db1 = sum_rows dpre.
-// Every product, sum and activation is the unfused path's (linear, gelu / swiglu, linear), on the
-// same operands, so the results are its bits, in float32, float64 and under autocast. The
+// Every product, sum and activation is the unfused path's (linear, gelu / swiglu, linear; under
+// autocast with pre rounded to bf16 between, kernels/mlp.h), on the same operands, so the results
+// are its bits, in float32, float64 and under autocast, where the node keeps pre as bf16. The
 // backward's epilogue makes h and act'(pre) from one evaluation (GELU: one erf and one exp per
 // element, as the unfused forward's): a separate pass for h cost 2.5% of the medium model's step,
 // and a buffer for act'(pre) raised the bf16 step's peak memory.
@@ -23,6 +24,7 @@
 #include "ops/internal.h"
 #include "ops/product.h"
 #include "tapegrad/autograd.h"
+#include "tapegrad/composite.h"
 #include "tapegrad/ops.h"
 
 namespace tg {
@@ -43,17 +45,19 @@ struct MlpDims {
 // the forward's h = act(pre); the backward's h again and dpre = act'(pre) dh.
 template <class T>
 struct ActEpilogue {
-  const T* pre;
-  const T* dh;  // null in the forward
-  T* out;       // h (forward) or dpre (backward)
+  const T* pre;  // the product's pre, or the saved one (float pre; null under autocast in the backward)
+  const T* dh;   // null in the forward
+  T* out;        // h (forward) or dpre (backward)
   MlpDims d;
   T* h = nullptr;  // the backward's h
-  // h as bf16, instead of the forward's out or the backward's h, when the products are bf16: only
-  // products read h, and they would round it to bf16 while packing (kernels/mlp.h).
+  // Under autocast (T = float): h as bf16, instead of the forward's out or the backward's h; and
+  // pre as bf16, which the forward writes (keep, when the node saves it) and the backward reads
+  // (saved). kernels/mlp.h's _bf16 epilogues.
   kernels::bf16* hb = nullptr;
-  // H: T, or bf16 for hb (kernels/mlp.h's overloads).
-  template <class H>
-  void apply(H* hout, i64 r0, i64 r1, i64 c0, i64 c1) const {
+  kernels::bf16* keep = nullptr;
+  const kernels::bf16* saved = nullptr;
+  void apply(i64 r0, i64 r1, i64 c0, i64 c1) const {
+    T* hout = dh ? h : out;
     if (d.act == Act::swiglu) {
       if (dh) kernels::swiglu_grad_rows(pre, dh, out, hout, d.F, r0, r1);
       else kernels::swiglu_rows(pre, hout, d.F, r0, r1);
@@ -62,11 +66,23 @@ struct ActEpilogue {
       else kernels::gelu_block(pre, hout, d.H, r0, r1, c0, c1);
     }
   }
+  void apply_bf16(i64 r0, i64 r1, i64 c0, i64 c1) const {
+    if constexpr (std::is_same_v<T, float>) {
+      if (d.act == Act::swiglu) {
+        if (dh) kernels::swiglu_grad_rows_bf16(saved, dh, out, hb, d.F, r0, r1);
+        else if (saved) kernels::swiglu_rows_bf16(saved, nullptr, hb, d.F, r0, r1);
+        else kernels::swiglu_rows_bf16(pre, keep, hb, d.F, r0, r1);
+      } else {
+        if (dh) kernels::gelu_grad_block_bf16(saved, dh, out, hb, d.H, r0, r1, c0, c1);
+        else if (saved) kernels::gelu_block_bf16(saved, nullptr, hb, d.H, r0, r1, c0, c1);
+        else kernels::gelu_block_bf16(pre, keep, hb, d.H, r0, r1, c0, c1);
+      }
+    }
+  }
   static void run(const void* ctx, i64 r0, i64 r1, i64 c0, i64 c1) {
     const auto& e = *static_cast<const ActEpilogue*>(ctx);
-    if constexpr (std::is_same_v<T, float>)
-      if (e.hb) return e.apply(e.hb, r0, r1, c0, c1);
-    e.apply(e.dh ? e.h : e.out, r0, r1, c0, c1);
+    if (e.hb) e.apply_bf16(r0, r1, c0, c1);
+    else e.apply(r0, r1, c0, c1);
   }
   kernels::Epilogue epilogue() const { return {&ActEpilogue::run, this, d.act == Act::swiglu}; }
 };
@@ -85,15 +101,19 @@ T fill_bias(T* Y, const Tensor& b, i64 rows, i64 n) {
 struct MlpWeights { Tensor w1, w2, w1_bf16, w2_bf16; };
 struct MlpSaved { Tensor x, x_bf16, pre; MlpWeights w; };
 
+// Under autocast s.pre is bf16 (or undefined when nothing is recorded): the product writes a float
+// pre of its own, which the epilogue rounds.
 template <class T>
 void mlp_forward(const Tensor& x, MlpSaved& s, const Tensor& b1, const Tensor& b2, const Tensor& res, Tensor& y,
                  const MlpDims& d) {
   using detail::operand;
-  T* pre = s.pre.data<T>();
+  Tensor pre_t = d.bf16 ? Tensor::empty({d.rows, d.H}, x.dtype()) : s.pre;
+  T* pre = pre_t.data<T>();
   // h: float, or bf16 when the products are (ActEpilogue::hb).
   Tensor h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : x.dtype());
   kernels::bf16* hb = d.bf16 ? static_cast<kernels::bf16*>(h.raw_data()) : nullptr;
-  const ActEpilogue<T> act{pre, nullptr, hb ? nullptr : h.data<T>(), d, nullptr, hb};
+  const ActEpilogue<T> act{pre, nullptr, hb ? nullptr : h.data<T>(), d, nullptr, hb,
+                           d.bf16 && s.pre.defined() ? static_cast<kernels::bf16*>(s.pre.raw_data()) : nullptr};
   const Tensor& xs = s.x_bf16.defined() ? s.x_bf16 : x;
   detail::run(detail::Product<T>{false, true, d.rows, d.H, d.C, operand<T>(xs, d.C),
                                  operand<T>(d.bf16 ? s.w.w1_bf16 : s.w.w1, d.C), fill_bias(pre, b1, d.rows, d.H), pre,
@@ -128,7 +148,8 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   using detail::operand;
   Tensor dres = n.needs_grad(5) ? detail::residual_grad(n, 5) : Tensor();  // first: it may be dy's buffer
   const T* G = n.grad_out().data<T>();
-  const T* pre = s.pre.data<T>();
+  const T* pre = d.bf16 ? nullptr : s.pre.data<T>();
+  const auto* saved = d.bf16 ? static_cast<const kernels::bf16*>(s.pre.raw_data()) : nullptr;
   // dh = G w2, whose epilogue makes h again (for dw2 = G^T h: the forward's bits) and dpre; then
   // dw2. Without dpre to make (x, w1 and b1 need no gradient) h takes a pass of its own.
   // h: bf16 as the forward's, or float. A float GELU h goes over the saved pre when no one reads pre
@@ -136,18 +157,19 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   // h[i] at the same place, and nothing else reads pre. That saves a (rows, F) buffer where the
   // last block's backward runs, the step's peak of memory.
   Tensor h = !d.bf16 && d.act == Act::gelu ? n.reusable_saved(s.pre) : Tensor();
-  if (!h.defined()) h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : s.pre.dtype());
-  Tensor dh = Tensor::empty({d.rows, d.F}, s.pre.dtype());
-  Tensor dpre = d.act == Act::gelu ? dh : Tensor::empty({d.rows, d.H}, s.pre.dtype());
+  if (!h.defined()) h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : n.grad_out().dtype());
+  const DType dt = n.grad_out().dtype();
+  Tensor dh = Tensor::empty({d.rows, d.F}, dt);
+  Tensor dpre = d.act == Act::gelu ? dh : Tensor::empty({d.rows, d.H}, dt);
   kernels::bf16* hb = d.bf16 ? static_cast<kernels::bf16*>(h.raw_data()) : nullptr;
-  const ActEpilogue<T> back{pre, dh.data<T>(), dpre.data<T>(), d, hb ? nullptr : h.data<T>(), hb};
+  const ActEpilogue<T> back{pre, dh.data<T>(), dpre.data<T>(), d, hb ? nullptr : h.data<T>(), hb, nullptr, saved};
   const bool want_pre = n.needs_grad(0) || n.needs_grad(1) || n.needs_grad(2);  // dpre is read by x's, w1's, b1's
   if (want_pre) {
     detail::run(detail::Product<T>{false, false, d.rows, d.F, d.out, operand(G, d.out),
                                    operand<T>(d.bf16 ? s.w.w2_bf16 : s.w.w2, d.F), T(0), dh.data<T>(), d.F, d.bf16,
                                    back.epilogue()});
   } else {
-    const ActEpilogue<T> fwd{pre, nullptr, hb ? nullptr : h.data<T>(), d, nullptr, hb};
+    const ActEpilogue<T> fwd{pre, nullptr, hb ? nullptr : h.data<T>(), d, nullptr, hb, nullptr, saved};
     kernels::parallel_for(d.rows, d.rows * d.H, [&](i64 lo, i64 hi) { fwd.run(&fwd, lo, hi, 0, d.H); });
   }
   Tensor dw2 = n.new_grad(3);
@@ -213,10 +235,8 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
            const char* activation, const Tensor& residual) {
   const char* op = "mlp";
   MlpDims d = check_mlp(op, x, w1, b1, w2, b2, activation, residual);
-  if (d.rows * d.C * d.H * d.out == 0) {  // an empty product somewhere: the unfused ops handle every such case
-    const Tensor pre = linear(x, w1, b1);
-    return linear(d.act == Act::gelu ? gelu(pre) : swiglu(pre), w2, b2, residual);
-  }
+  // An empty product somewhere: the unfused twin handles every such case.
+  if (d.rows * d.C * d.H * d.out == 0) return composite::mlp(x, w1, b1, w2, b2, activation, residual);
   d.bf16 = detail::products_in_bf16(x.dtype());
   const bool recording = should_record({&x, &w1, &b1, &w2, &b2, &residual});
   Shape yshape = x.shape();
@@ -224,7 +244,9 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
   Tensor y = Tensor::empty(yshape, x.dtype());
   // As linear: in bf16 the weights are their cached bf16 copies, and x is kept as its bf16 copy
   // when w1's gradient (dw1 = dpre^T x) will read it.
-  MlpSaved s{x.detach(), Tensor(), Tensor::empty({d.rows, d.H}, x.dtype()), {w1.detach(), w2.detach(), {}, {}}};
+  // pre: float; under autocast bf16, and only when recorded (kernels/mlp.h).
+  MlpSaved s{x.detach(), Tensor(), d.bf16 && !recording ? Tensor() : Tensor::empty({d.rows, d.H}, d.bf16 ? bfloat16 : x.dtype()),
+             {w1.detach(), w2.detach(), {}, {}}};
   if (d.bf16) {
     s.w.w1_bf16 = detail::weight_bf16(w1);
     s.w.w2_bf16 = detail::weight_bf16(w2);
@@ -234,7 +256,7 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
   if (recording) {
     if (s.x_bf16.defined()) s.x = Tensor();
     Node& node = record(op, {&x, &w1, &b1, &w2, &b2, &residual}, {&y}, std::move(s), [d](Node& n, const MlpSaved& saved) {
-      detail::dispatch_float("mlp", saved.pre.dtype(), [&](auto z) { mlp_backward<decltype(z)>(n, saved, d); });
+      detail::dispatch_float("mlp", saved.w.w1.dtype(), [&](auto z) { mlp_backward<decltype(z)>(n, saved, d); });
     });
     // The residual's gradient is dy itself, asked for first (only then: see new_grad).
     if (residual.defined() && residual.requires_grad()) node.may_reuse_grad_out();

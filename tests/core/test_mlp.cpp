@@ -307,3 +307,36 @@ TEST_CASE("mlp's backward writes h over the saved pre only when no later backwar
     clear();
   }
 }
+
+TEST_CASE("under autocast mlp rounds pre to bf16 and keeps it so", "[mlp]") {
+  // As PyTorch's autocast, whose linear returns bf16: the activation reads pre rounded to bf16, and
+  // the node keeps those bits in 2 bytes an element (kernels/mlp.h). The unfused twin's bits are
+  // checked above; here, that the rounding is there at all, and the bytes kept.
+  const MlpCase c{2, 30, 8, 64, true, "gelu"};
+  for (const char* act : {"gelu", "swiglu"}) {
+    INFO(act);
+    const std::int64_t rows = c.B * c.T, F = std::string(act) == "gelu" ? c.H : c.H / 2;
+    Tensor x = leaf({c.B, c.T, c.C}, 1, float32), w1 = leaf({c.H, c.C}, 2, float32, 0.3);
+    Tensor w2 = leaf({c.C, F}, 3, float32, 0.3), b1 = leaf({c.H}, 4, float32), b2 = leaf({c.C}, 5, float32);
+    tape().clear();
+    const std::size_t before = tape().bytes_saved();
+    Tensor y = mlp(x, w1, b1, w2, b2, act);
+    const std::size_t float_bytes = tape().bytes_saved() - before;
+    tape().clear();
+    Tensor y16, unrounded;
+    std::size_t bf16_bytes = 0;
+    {
+      AutocastGuard autocast;
+      y16 = mlp(x, w1, b1, w2, b2, act);
+      bf16_bytes = tape().bytes_saved() - before;
+      const Tensor pre = linear(x, w1, b1);
+      unrounded = linear(std::string(act) == "gelu" ? gelu(pre) : swiglu(pre), w2, b2).detach();
+    }
+    tape().clear();
+    // x: float -> its bf16 copy; pre: float -> bf16; plus the weights' bf16 copies.
+    const std::size_t w_bf16 = static_cast<std::size_t>(c.H * c.C + c.C * F) * 2;
+    CHECK(bf16_bytes == float_bytes - static_cast<std::size_t>(rows * (c.C + c.H)) * 2 + w_bf16);
+    CHECK_FALSE(same_bits(y16.detach(), unrounded));
+    CHECK(max_abs_diff(y16.detach(), unrounded) < 0.05);
+  }
+}

@@ -25,7 +25,8 @@ Tensor swiglu(const Tensor& x);  // silu(gate slice) * up slice
 Tensor rope(const Tensor& x, const Tensor& cos, const Tensor& sin, std::int64_t head_size, std::int64_t rotated = -1,
             std::int64_t pos0 = 0);
 // the MLP's three ops in turn: linear, gelu (erf) or swiglu, linear, and the residual's add (the
-// unfused path; ops.h's mlp gives its bits)
+// unfused path; ops.h's mlp gives its bits); under autocast pre goes through .to(bfloat16) and
+// back before the activation, as PyTorch autocast's bf16 linear output
 Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
            const char* activation = "gelu", const Tensor& residual = Tensor());
 }  // namespace composite
