@@ -29,6 +29,17 @@ struct CastCache {
 };
 thread_local CastCache t_cache;
 
+// The last activation rounded by activation_bf16 and its copy: two ops that keep the same tensor's
+// copy share it (causal_attention's output and the output projection's input). The entry holds
+// the source, so its memory cannot be reused by another tensor while the entry lives; a write in
+// place since shows in the version. It lasts until the next copy or the end of the outermost
+// scope.
+struct LastCopy {
+  Tensor source, copy;
+  std::uint32_t version = 0;
+};
+thread_local LastCopy t_last;
+
 }  // namespace
 
 Tensor to_bf16(const Tensor& x) {
@@ -60,7 +71,15 @@ std::size_t autocast_cache_size() { return t_cache.entries.size(); }
 
 bool products_in_bf16(DType d) { return t_autocast && d == float32; }
 Tensor weight_bf16(const Tensor& w) { return autocast_bf16(w); }
-Tensor activation_bf16(const Tensor& x) { return to_bf16(x); }
+Tensor activation_bf16(const Tensor& x) {
+  const LastCopy& l = t_last;
+  if (l.copy.defined() && l.source.shares_storage(x) && l.source.raw_data() == x.raw_data() &&
+      l.source.shape() == x.shape() && l.version == x.version())
+    return l.copy;
+  Tensor h = to_bf16(x);
+  if (t_cache.depth > 0) t_last = LastCopy{x.detach(), h, x.version()};
+  return h;
+}
 
 struct AutocastCacheScope::Saved {
   std::unordered_map<const void*, CastCache::Entry> entries;
@@ -69,12 +88,14 @@ struct AutocastCacheScope::Saved {
 
 AutocastCacheScope::AutocastCacheScope() : saved_(new Saved{std::move(t_cache.entries), t_cache.depth}) {
   t_cache.entries.clear();
+  t_last = LastCopy{};
   t_cache.depth = 1;  // caching, whether or not a guard is open around the scope
 }
 
 AutocastCacheScope::~AutocastCacheScope() {
   t_cache.entries = std::move(saved_->entries);
   t_cache.depth = saved_->depth;
+  t_last = LastCopy{};
 }
 
 }  // namespace detail
@@ -86,7 +107,10 @@ AutocastGuard::AutocastGuard(bool enabled) : prev_(detail::t_autocast) {
 
 AutocastGuard::~AutocastGuard() {
   detail::t_autocast = prev_;
-  if (--detail::t_cache.depth == 0) detail::t_cache.entries.clear();
+  if (--detail::t_cache.depth == 0) {
+    detail::t_cache.entries.clear();
+    detail::t_last = detail::LastCopy{};
+  }
 }
 
 bool is_autocast_enabled() { return detail::t_autocast; }

@@ -397,20 +397,27 @@ void flash_backward_pair(TileOperand<T> q, TileOperand<T> k, TileOperand<T> g, T
                   !first_i);  // dk_j (+)= dS^T q_i
 }
 
-// One (batch, head): its blocks of dqkv, key tiles outside, query tiles inside. qkv is float, or
-// (bf16 only) its bf16 copy.
-template <class T, class Q>
-void flash_backward_head(const Q* qkv, const T* y, const T* lse, const T* dy, T* dqkv, const AttnDims& d,
+// y's element as a number: float or double, or a bf16 widened exactly.
+template <class T>
+inline double widen(T x) {
+  return static_cast<double>(x);
+}
+inline double widen(bf16 x) { return static_cast<double>(to_float(x)); }
+
+// One (batch, head): its blocks of dqkv, key tiles outside, query tiles inside. qkv and y are T,
+// or (bf16 only) their bf16 copies.
+template <class T, class Q, class Y>
+void flash_backward_head(const Q* qkv, const Y* y, const T* lse, const T* dy, T* dqkv, const AttnDims& d,
                          std::int64_t b, std::int64_t h, FlashBwdScratch<T>& w) {
   const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), ld = 3 * C;
   const Q* head = qkv + b * Tn * ld + h * hs;
   const T* gy = dy + b * Tn * C + h * hs;
-  const T* yy = y + b * Tn * C + h * hs;
+  const Y* yy = y + b * Tn * C + h * hs;
   for (std::int64_t i = 0; i < Tn; ++i) {  // D_i = dy_i . y_i
     prefetch_rows(gy, C, i + kPrefetchAhead, 1, Tn, hs);
     prefetch_rows(yy, C, i + kPrefetchAhead, 1, Tn, hs);
     w.D[static_cast<std::size_t>(i)] = static_cast<T>(
-        sum16(hs, [&](std::int64_t e) { return static_cast<double>(gy[i * C + e]) * yy[i * C + e]; }));
+        sum16(hs, [&](std::int64_t e) { return static_cast<double>(gy[i * C + e]) * widen(yy[i * C + e]); }));
   }
   const TileOperand<T> q = tile_operand(d.bf16, head, ld, Tn, hs, w.q.data());
   const TileOperand<T> k = tile_operand(d.bf16, head + C, ld, Tn, hs, w.k.data());
@@ -429,11 +436,13 @@ void flash_backward_head(const Q* qkv, const T* y, const T* lse, const T* dy, T*
 
 // qkv (B, T, 3C), y (B, T, C), lse (B, H, T), dy (B, T, C) -> dqkv (B, T, 3C). With d.bf16, qkv
 // may be the bf16 copy of the forward's (what an autocast scope's op keeps: half the memory, and
-// the same bits, since the products round their operands to bf16 anyway).
-template <class T, class Q>
-void flash_attention_backward(const Q* qkv, const T* y, const T* lse, const T* dy, T* dqkv, const AttnDims& d) {
+// the same bits, since the products round their operands to bf16 anyway), and y its bf16 copy
+// too, which then gives D_i = dy_i . y_i from y rounded to bf16 (docs/attention.md's bound).
+template <class T, class Q, class Y>
+void flash_attention_backward(const Q* qkv, const Y* y, const T* lse, const T* dy, T* dqkv, const AttnDims& d) {
   assert((!d.bf16 || std::is_same_v<T, float>));
   assert((std::is_same_v<Q, T> || (d.bf16 && std::is_same_v<Q, bf16>)));
+  assert((std::is_same_v<Y, T> || (d.bf16 && std::is_same_v<Y, bf16>)));
   // Every element of dqkv belongs to exactly one (b, h) and one of q, k, v, whose products write
   // it (flash_backward_pair); with hs = 0, dqkv is empty.
   if (d.hs() == 0) return;

@@ -67,19 +67,24 @@ Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
     // probabilities tile by tile, and keeps nothing of size T x T. With bf16 products, qkv is
     // kept as its bf16 copy: the backward's products round q, k and v to bf16 anyway, so the bits
     // are the same, in half the memory. (The forward rounds its tiles from the float qkv: reading
-    // the copy instead measured slower, its bf16 k tiles transposed element by element.)
-    struct Saved { Tensor qkv, y, lse; };  // (B, T, 3C) float or bf16, (B, T, C), (B, H, T)
-    Saved saved{d.bf16 && y.numel() > 0 ? detail::activation_bf16(qkv) : qkv.detach(), y.detach(), lse};
+    // the copy instead measured slower, its bf16 k tiles transposed element by element.) So is y,
+    // which the backward reads only for D_i = dy_i . y_i (docs/attention.md gives the bound): the
+    // output projection's Linear keeps that same copy for its weight's gradient
+    // (activation_bf16 hands it the copy just made), so y's float32 memory is not kept at all.
+    struct Saved { Tensor qkv, y, lse; };  // (B, T, 3C), (B, T, C), float or both bf16; (B, H, T)
+    const bool copies = d.bf16 && y.numel() > 0;
+    Saved saved{copies ? detail::activation_bf16(qkv) : qkv.detach(), copies ? detail::activation_bf16(y) : y.detach(),
+                lse};
     record(op, {&qkv}, {&y}, std::move(saved), [d](Node& n, const Saved& s) {
       if (n.grad_out().numel() == 0) return detail::pass_zeros(n, 0);  // no outputs (T = 0 or C = 0)
       Tensor dqkv = n.new_grad(0);
-      detail::dispatch_float("causal_attention", s.y.dtype(), [&](auto z) {
+      detail::dispatch_float("causal_attention", s.lse.dtype(), [&](auto z) {
         using T = decltype(z);
-        if constexpr (std::is_same_v<T, float>)  // the bf16 copy: float32 only (products_in_bf16)
+        if constexpr (std::is_same_v<T, float>)  // the bf16 copies: float32 only (products_in_bf16)
           if (s.qkv.dtype() == bfloat16)
             return kernels::flash_attention_backward(static_cast<const kernels::bf16*>(s.qkv.raw_data()),
-                                                     s.y.data<T>(), s.lse.data<T>(), n.grad_out().data<T>(),
-                                                     dqkv.data<T>(), d);
+                                                     static_cast<const kernels::bf16*>(s.y.raw_data()),
+                                                     s.lse.data<T>(), n.grad_out().data<T>(), dqkv.data<T>(), d);
         kernels::flash_attention_backward(s.qkv.data<T>(), s.y.data<T>(), s.lse.data<T>(), n.grad_out().data<T>(),
                                           dqkv.data<T>(), d);
       });

@@ -4,9 +4,12 @@
 // with bf16 operands within the bound that docs/attention.md derives.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "helpers.h"
 #include "kernels/attention.h"
+#include "kernels/bf16.h"
+#include "tapegrad/memory.h"
 
 using namespace tg;
 using namespace tgtest;
@@ -36,6 +39,13 @@ Outputs<T> run_flash(const std::vector<T>& qkv, const std::vector<T>& dy, const 
   Outputs<T> o{std::vector<T>(dy.size(), T(7)), std::vector<T>(static_cast<std::size_t>(d.B * d.H * d.Tn), T(7)),
                std::vector<T>(qkv.size(), T(7))};  // 7: written over, whatever they held
   kernels::flash_attention_forward(qkv.data(), o.y.data(), o.lse.data(), d);
+  if constexpr (std::is_same_v<T, float>)
+    if (d.bf16) {  // y as the op keeps it under autocast: its bf16 copy
+      std::vector<kernels::bf16> yb(o.y.size());
+      kernels::to_bf16(o.y.data(), yb.data(), static_cast<std::int64_t>(yb.size()));
+      kernels::flash_attention_backward(qkv.data(), yb.data(), o.lse.data(), dy.data(), o.dqkv.data(), d);
+      return o;
+    }
   kernels::flash_attention_backward(qkv.data(), o.y.data(), o.lse.data(), dy.data(), o.dqkv.data(), d);
   return o;
 }
@@ -218,16 +228,43 @@ TEST_CASE("causal attention keeps qkv, y and lse for its backward: nothing of si
   CHECK(tape().bytes_saved() - before == static_cast<std::size_t>((B * T * 3 * C + B * T * C + B * H * T) * 4));
   y.sum().backward();
   CHECK(qkv.grad().shape() == qkv.shape());
-  // Under autocast qkv is kept as its bf16 copy (2 bytes an element); the backward's bits are the
-  // float copy's ("causal attention under autocast makes its products in bf16" below).
-  Tensor y16;
-  const std::size_t before16 = tape().bytes_saved();
+  // Under autocast qkv and y are kept as their bf16 copies (2 bytes an element); for qkv the
+  // backward's bits are the float copy's, y gives D (the bound below). The output projection's
+  // Linear keeps the same copy of y, not one of its own.
+  Tensor y16, z;
+  const Tensor w = param64({C, C}, 32).detach().to(float32).requires_grad_();
+  const std::size_t before16 = tape().bytes_saved(), mem16 = memory_allocated();
   {
     AutocastGuard bf16;
     y16 = causal_attention(qkv, H);
+    CHECK(tape().bytes_saved() - before16 == static_cast<std::size_t>((B * T * 3 * C + B * T * C) * 2 + B * H * T * 4));
+    z = linear(y16, w);
   }
-  CHECK(tape().bytes_saved() - before16 == static_cast<std::size_t>(B * T * 3 * C * 2 + (B * T * C + B * H * T) * 4));
+  y16 = Tensor();  // what is left: the nodes' copies of qkv and y, lse, z, and the Linear's copy of w
+  CHECK(memory_allocated() - mem16 ==
+        static_cast<std::size_t>((B * T * 3 * C + B * T * C + C * C) * 2 + (B * H * T + B * T * C) * 4));
   tape().clear();
+}
+
+TEST_CASE("under autocast a Linear after attention shares the copy of y only while y is unchanged") {
+  // An in-place write to y after attention recorded it (allowed: attention keeps a copy) must not
+  // hand the Linear the stale copy: w's gradient is the one of a Linear on the written y.
+  const std::int64_t B = 1, T = 20, C = 16, H = 2;
+  Tensor qkv = param64({B, T, 3 * C}, 33).detach().to(float32).requires_grad_();
+  Tensor w = param64({C, C}, 34).detach().to(float32).requires_grad_();
+  Tensor w_ref = w.detach().clone().requires_grad_();
+  Tensor z, z_ref;
+  {
+    AutocastGuard bf16;
+    Tensor y = causal_attention(qkv, H);
+    y.set({0, 3, 5}, 7.5);
+    z = linear(y, w);
+    z_ref = linear(y.detach().clone(), w_ref);
+  }
+  z.sum().backward();
+  z_ref.sum().backward();
+  CHECK(max_abs_diff(w.grad(), w_ref.grad()) == 0);
+  CHECK(qkv.grad().shape() == qkv.shape());
 }
 
 TEST_CASE("causal attention on T = 0 and C = 0: empty outputs, zero gradients") {
@@ -291,14 +328,14 @@ Bf16Bound bf16_bound(const std::vector<float>& x, const std::vector<float>& dy, 
         D[static_cast<std::size_t>(i)] = Di;
         eps[static_cast<std::size_t>(i)] = u2 * d.scale * amax;
       }
-      for (std::int64_t i = 0; i < Tn; ++i) {  // y's bound, and D's through it: dy_i . y_i
+      for (std::int64_t i = 0; i < Tn; ++i) {  // y's bound, and D's through it: dy_i . round(y~_i)
         const double f = w * std::exp(2 * eps[static_cast<std::size_t>(i)]) - 1;
         double dDi = 0;
         for (std::int64_t e = 0; e < hs; ++e) {
           double s = 0;
           for (std::int64_t j = 0; j < Tn; ++j) s += at(P, i, j) * std::fabs(X(b, j, 2, h, e));
           out.y[static_cast<std::size_t>((b * Tn + i) * C + h * hs + e)] = f * s;
-          dDi += std::fabs(G(b, i, h, e)) * f * s;
+          dDi += std::fabs(G(b, i, h, e)) * (f + kU * (1 + f)) * s;  // |y~| <= (1 + f) s, rounded by u
         }
         dD[static_cast<std::size_t>(i)] = dDi;
       }
