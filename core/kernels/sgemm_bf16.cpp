@@ -95,7 +95,22 @@ void pack_b_panel(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u
     for (i64 j = nc; j < kNR; ++j) Bp[p * kNR + j] = 0;
 }
 
-void pack_b_panel(bool tb, const Bf16Operand& B, i64 k0, i64 kc, i64 n0, i64 nc, u32* Bp) {
+#ifdef TG_BF16_X86
+template <class T>
+void pack_b_trans_native(const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* Bp);
+#endif
+
+// native: the vdpbf16ps and AMX paths, which pack op(B) = B^T with AVX-512 (the same words).
+void pack_b_panel(bool tb, const Bf16Operand& B, i64 k0, i64 kc, i64 n0, i64 nc, u32* Bp, bool native) {
+#ifdef TG_BF16_X86
+  if (native && tb) {
+    if (B.f) pack_b_trans_native(B.f, B.ld, k0, kc, n0, nc, Bp);
+    else pack_b_trans_native(B.h, B.ld, k0, kc, n0, nc, Bp);
+    return;
+  }
+#else
+  (void)native;
+#endif
   if (B.f) pack_b_panel(tb, B.f, B.ld, k0, kc, n0, nc, Bp);
   else pack_b_panel(tb, B.h, B.ld, k0, kc, n0, nc, Bp);
 }
@@ -281,6 +296,68 @@ void kernel_native(i64 pairs, const u32* A, i64 row, const u32* Bp, float* C, i6
         float& out = C[i * ldc + j];
         out = beta == 0.0f ? edge[i * kNR + j] : std::fma(beta, out, edge[i * kNR + j]);  // as the full tile
       }
+}
+
+// n elements of a row of op(B) as bf16: floats rounded (to_bf16's vectorised conversion), bf16
+// copied.
+inline void row_bf16(const float* s, bf16* d, i64 n) { bf16_impl::to_bf16_avx512(s, d, n); }
+inline void row_bf16(const bf16* s, bf16* d, i64 n) { std::memcpy(d, s, static_cast<std::size_t>(n) * sizeof(bf16)); }
+
+// Sixteen rows of 16 words in r become its sixteen columns: 4 x 4 blocks within each 128-bit
+// lane by 32- and 64-bit unpacks, then the lanes gathered across registers. (The maskz forms:
+// GCC 12 warns of the plain forms' undefined merge operand.)
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_maskz_unpacklo_epi32(0xFFFF, r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_maskz_unpackhi_epi32(0xFFFF, r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + m], lane L: rows 4i .. 4i + 3 of column 4L + m
+    u[4 * i] = _mm512_maskz_unpacklo_epi64(0xFF, t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_maskz_unpackhi_epi64(0xFF, t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_maskz_unpacklo_epi64(0xFF, t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_maskz_unpackhi_epi64(0xFF, t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512i x0 = _mm512_maskz_shuffle_i32x4(0xFFFF, u[m], u[4 + m], 0x88), x1 = _mm512_maskz_shuffle_i32x4(0xFFFF, u[m], u[4 + m], 0xDD);
+    const __m512i y0 = _mm512_maskz_shuffle_i32x4(0xFFFF, u[8 + m], u[12 + m], 0x88);
+    const __m512i y1 = _mm512_maskz_shuffle_i32x4(0xFFFF, u[8 + m], u[12 + m], 0xDD);
+    r[m] = _mm512_maskz_shuffle_i32x4(0xFFFF, x0, y0, 0x88);
+    r[4 + m] = _mm512_maskz_shuffle_i32x4(0xFFFF, x1, y1, 0x88);
+    r[8 + m] = _mm512_maskz_shuffle_i32x4(0xFFFF, x0, y0, 0xDD);
+    r[12 + m] = _mm512_maskz_shuffle_i32x4(0xFFFF, x1, y1, 0xDD);
+  }
+}
+
+// pack_b_panel's words with tb, vectorised (without tb the compiler vectorises the loop above).
+// A row of B is a column of the panel, and its bf16 row already holds the column's words in order
+// (pair p is elements 2p and 2p + 1): sixteen rows are rounded, and their 16 x 16 blocks of words
+// transposed into the panel.
+template <class T>
+void pack_b_trans_native(const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* Bp) {
+  const i64 pairs = (kc + 1) / 2;
+  constexpr i64 kWords = kKC / 2 + 16;  // a row's words, with room to round pairs up to 16
+  alignas(64) u32 w[16][kWords];
+  const i64 pairs16 = round_up(pairs, 16);
+  for (i64 j0 = 0; j0 < kNR; j0 += 16) {
+    for (i64 i = 0; i < 16; ++i) {
+      auto* row = reinterpret_cast<bf16*>(w[i]);
+      const i64 j = j0 + i;
+      if (j < nc) {
+        row_bf16(B + (n0 + j) * ld + k0, row, kc);
+        std::fill(row + kc, row + 2 * pairs16, bf16{0});
+      } else {
+        std::fill(row, row + 2 * pairs16, bf16{0});
+      }
+    }
+    for (i64 p0 = 0; p0 < pairs; p0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(w[i] + p0);
+      transpose16(r);
+      const i64 q1 = std::min<i64>(16, pairs - p0);
+      for (i64 q = 0; q < q1; ++q) _mm512_store_si512(Bp + (p0 + q) * kNR + j0, r[q]);
+    }
+  }
 }
 
 #pragma GCC pop_options
@@ -584,7 +661,7 @@ struct Plan {
   // Panel q of K block b; for AMX with zero pairs up to the block's last whole chunk of 32.
   void pack_panel(i64 b, i64 q, u32* d) const {
     const i64 pc = b * kcb, kc = std::min(kcb, g->K - pc), n0 = q * kNR;
-    pack_b_panel(g->tb, g->B, pc, kc, n0, std::min<i64>(kNR, g->N - n0), d);
+    pack_b_panel(g->tb, g->B, pc, kc, n0, std::min<i64>(kNR, g->N - n0), d, path != Path::emulated);
     if (path == Path::amx) std::fill(d + (kc + 1) / 2 * kNR, d + round_up(kc, kAmxK) / 2 * kNR, u32{0});
   }
   void item(i64 i, void* Ap) const {
