@@ -5,7 +5,6 @@
 
 #include <unordered_set>
 
-#include "autocast_cache.h"
 #include "dispatch.h"  // check_defined
 #include "ops/internal.h"
 #include "tape_internal.h"
@@ -140,7 +139,7 @@ Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& x, cons
   const RngState rng = RngState::now();
   Tensor y;
   {
-    NoGradGuard no_record;  // fn's activations are freed as it goes (and its bf16 weights: no-grad products cache none)
+    NoGradGuard no_record;  // fn's activations are freed as it goes
     y = fn(x);
   }
   detail::check_defined(op, y, "fn's result");
@@ -155,7 +154,6 @@ Tensor checkpoint(std::function<Tensor(const Tensor&)> fn, const Tensor& x, cons
     {
       AsInForward conditions(rng);
       AutocastGuard cast(autocast);
-      detail::AutocastCacheScope cache;
       OwnTape inner;
       const Tensor xd = segment_input(s.x, n.needs_grad(0));
       const Tensor out = fn(xd);

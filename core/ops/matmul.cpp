@@ -218,15 +218,16 @@ namespace {
 
 // linear's backward: dx (rows, in) = dy w;  dw (out, in) = dy^T x;  db = column sums of dy, each
 // into a fresh buffer. dx and dw take the same number of multiply-adds and are computed side by
-// side (detail::run_pair). In bf16 the node keeps the weight's bf16 copy in w_bf16, and x_bf16,
-// the input's, when dw is wanted: x is then undefined.
-struct LinearSaved { Tensor x, w, w_bf16, x_bf16; };
+// side (detail::run_pair). In bf16 the node keeps x_bf16, the input's bf16 copy, when dw is
+// wanted: x is then undefined. The weight is read in float32 either way (bf16 products round it
+// as they pack it).
+struct LinearSaved { Tensor x, w, x_bf16; };
 
 template <class T>
 void linear_backward_products(Node& n, const LinearSaved& s, bool bf16, const T* G, std::int64_t rows,
                               std::int64_t in, std::int64_t out) {
   Tensor dx = n.new_grad(0), dw = n.new_grad(1);
-  const Tensor& w = bf16 ? s.w_bf16 : s.w;
+  const Tensor& w = s.w;
   const Tensor& x = s.x_bf16.defined() ? s.x_bf16 : s.x;
   using detail::operand;
   const detail::Product<T> px{false, false, rows, in, out, operand(G, out), operand<T>(w, in),
@@ -259,7 +260,7 @@ void linear_backward(Node& n, const LinearSaved& s, bool bf16, std::int64_t rows
 // y (rows, out) = x w^T + b (+ res): the bias rows are written into y first, and the product adds
 // to them (beta = 1); a residual is added to each block of y as the product finishes it.
 template <class T>
-void linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& res, const Tensor& w_bf16,
+void linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& res, bool bf16,
                     const Tensor& x_bf16, Tensor& y, std::int64_t rows, std::int64_t in, std::int64_t out) {
   T* Y = y.data<T>();
   if (rows * out == 0) return;
@@ -274,11 +275,9 @@ void linear_forward(const Tensor& x, const Tensor& w, const Tensor& b, const Ten
     if (!b.defined()) std::fill(Y, Y + rows * out, T(0));  // an empty sum
     return add.epilogue().whole(rows, out);
   }
-  const bool bf16 = w_bf16.defined();
   const Tensor& xs = x_bf16.defined() ? x_bf16 : x;
-  detail::run(detail::Product<T>{false, true, rows, out, in, detail::operand<T>(xs, in),
-                                 detail::operand<T>(bf16 ? w_bf16 : w, in), b.defined() ? T(1) : T(0), Y, out, bf16,
-                                 add.epilogue()});
+  detail::run(detail::Product<T>{false, true, rows, out, in, detail::operand<T>(xs, in), detail::operand<T>(w, in),
+                                 b.defined() ? T(1) : T(0), Y, out, bf16, add.epilogue()});
 }
 
 void check_linear(const char* op, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& res) {
@@ -316,20 +315,19 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& r
   std::int64_t rows = 1;  // the product of x's leading dims
   for (int d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   Tensor y = Tensor::empty(yshape, x.dtype());
-  // In bf16 the weight is used as its bf16 copy (cast once per scope). When the op is recorded and
-  // w needs a gradient (the backward's dw = dy^T x reads x), x is rounded to bf16 once, before the
+  // In bf16 the products round the float32 weight as they pack it: no copy of it is made or kept.
+  // When the op is recorded and w needs a gradient (the backward's dw = dy^T x reads x), x is rounded to bf16 once, before the
   // product, and the node keeps that copy instead of x: half the bytes kept from the forward to the
   // backward, and the same bits (the product rounds a float32 operand the same way while it packs
   // it).
   const bool bf16 = detail::products_in_bf16(x.dtype()) && in > 0;
-  const Tensor w_bf16 = bf16 ? detail::weight_bf16(w) : Tensor();
   const bool recording = should_record({&x, &w, &b, &residual});
   const Tensor x_bf16 = bf16 && recording && w.requires_grad() && rows * out > 0 ? detail::activation_bf16(x) : Tensor();
   dispatch_float(op, x.dtype(),
-                 [&](auto z) { linear_forward<decltype(z)>(x, w, b, residual, w_bf16, x_bf16, y, rows, in, out); });
+                 [&](auto z) { linear_forward<decltype(z)>(x, w, b, residual, bf16, x_bf16, y, rows, in, out); });
   if (recording) {
     Node& node = record(op, {&x, &w, &b, &residual}, {&y},
-                        LinearSaved{x_bf16.defined() ? Tensor() : x.detach(), w.detach(), w_bf16, x_bf16},
+                        LinearSaved{x_bf16.defined() ? Tensor() : x.detach(), w.detach(), x_bf16},
                         [bf16, rows, in, out](Node& n, const LinearSaved& s) {
                           dispatch_float("linear", s.w.dtype(),
                                          [&](auto z) { linear_backward<decltype(z)>(n, s, bf16, rows, in, out); });

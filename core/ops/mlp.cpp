@@ -98,7 +98,7 @@ T fill_bias(T* Y, const Tensor& b, i64 rows, i64 n) {
   return T(1);
 }
 
-struct MlpWeights { Tensor w1, w2, w1_bf16, w2_bf16; };
+struct MlpWeights { Tensor w1, w2; };  // float32 under autocast too: the products round them as they pack
 struct MlpSaved { Tensor x, x_bf16, pre; MlpWeights w; };
 
 // Under autocast s.pre is bf16 (or undefined when nothing is recorded): the product writes a float
@@ -116,12 +116,12 @@ void mlp_forward(const Tensor& x, MlpSaved& s, const Tensor& b1, const Tensor& b
                            d.bf16 && s.pre.defined() ? static_cast<kernels::bf16*>(s.pre.raw_data()) : nullptr};
   const Tensor& xs = s.x_bf16.defined() ? s.x_bf16 : x;
   detail::run(detail::Product<T>{false, true, d.rows, d.H, d.C, operand<T>(xs, d.C),
-                                 operand<T>(d.bf16 ? s.w.w1_bf16 : s.w.w1, d.C), fill_bias(pre, b1, d.rows, d.H), pre,
+                                 operand<T>(s.w.w1, d.C), fill_bias(pre, b1, d.rows, d.H), pre,
                                  d.H, d.bf16, act.epilogue()});
   T* Y = y.data<T>();
   const detail::ResidualEpilogue<T> add{res.defined() ? res.data<T>() : nullptr, Y, d.out};
   detail::run(detail::Product<T>{false, true, d.rows, d.out, d.F, operand<T>(h, d.F),
-                                 operand<T>(d.bf16 ? s.w.w2_bf16 : s.w.w2, d.F), fill_bias(Y, b2, d.rows, d.out), Y,
+                                 operand<T>(s.w.w2, d.F), fill_bias(Y, b2, d.rows, d.out), Y,
                                  d.out, d.bf16, add.epilogue()});
 }
 
@@ -166,7 +166,7 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   const bool want_pre = n.needs_grad(0) || n.needs_grad(1) || n.needs_grad(2);  // dpre is read by x's, w1's, b1's
   if (want_pre) {
     detail::run(detail::Product<T>{false, false, d.rows, d.F, d.out, operand(G, d.out),
-                                   operand<T>(d.bf16 ? s.w.w2_bf16 : s.w.w2, d.F), T(0), dh.data<T>(), d.F, d.bf16,
+                                   operand<T>(s.w.w2, d.F), T(0), dh.data<T>(), d.F, d.bf16,
                                    back.epilogue()});
   } else {
     const ActEpilogue<T> fwd{pre, nullptr, hb ? nullptr : h.data<T>(), d, nullptr, hb, nullptr, saved};
@@ -184,7 +184,7 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   const Tensor& xs = s.x_bf16.defined() ? s.x_bf16 : s.x;
   const T* P = dpre.data<T>();
   detail::Product<T> p_dx{false, false, d.rows, d.C, d.H, operand(P, d.H),
-                          operand<T>(d.bf16 ? s.w.w1_bf16 : s.w.w1, d.C), T(0), detail::grad_ptr<T>(dx), d.C, d.bf16};
+                          operand<T>(s.w.w1, d.C), T(0), detail::grad_ptr<T>(dx), d.C, d.bf16};
   detail::Product<T> p_dw1{true, false, d.H, d.C, d.rows, operand(P, d.H), {}, T(0), detail::grad_ptr<T>(dw1), d.C,
                            d.bf16};
   if (dw1.defined()) p_dw1.B = operand<T>(xs, d.C);
@@ -242,16 +242,13 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
   Shape yshape = x.shape();
   yshape[yshape.ndim() - 1] = d.out;
   Tensor y = Tensor::empty(yshape, x.dtype());
-  // As linear: in bf16 the weights are their cached bf16 copies, and x is kept as its bf16 copy
-  // when w1's gradient (dw1 = dpre^T x) will read it.
-  // pre: float; under autocast bf16, and only when recorded (kernels/mlp.h).
-  MlpSaved s{x.detach(), Tensor(), d.bf16 && !recording ? Tensor() : Tensor::empty({d.rows, d.H}, d.bf16 ? bfloat16 : x.dtype()),
-             {w1.detach(), w2.detach(), {}, {}}};
-  if (d.bf16) {
-    s.w.w1_bf16 = detail::weight_bf16(w1);
-    s.w.w2_bf16 = detail::weight_bf16(w2);
-    if (recording && w1.requires_grad()) s.x_bf16 = detail::activation_bf16(x);
-  }
+  // As linear: in bf16 x is kept as its bf16 copy when w1's gradient (dw1 = dpre^T x) will read
+  // it, and the products round the float32 weights as they pack them. pre: float; under autocast
+  // bf16, and only when recorded (kernels/mlp.h).
+  MlpSaved s{x.detach(), Tensor(),
+             d.bf16 && !recording ? Tensor() : Tensor::empty({d.rows, d.H}, d.bf16 ? bfloat16 : x.dtype()),
+             {w1.detach(), w2.detach()}};
+  if (d.bf16 && recording && w1.requires_grad()) s.x_bf16 = detail::activation_bf16(x);
   detail::dispatch_float(op, x.dtype(), [&](auto z) { mlp_forward<decltype(z)>(x, s, b1, b2, residual, y, d); });
   if (recording) {
     if (s.x_bf16.defined()) s.x = Tensor();

@@ -20,9 +20,6 @@ namespace tg::detail {
 
 // Whether an op on dtype d makes its products in bf16 now: float32 inside an autocast scope.
 bool products_in_bf16(DType d);
-// A float32 weight as a bf16 product reads it: rounded to bf16 once per autocast scope (a
-// parameter's copy is cached, core/autocast.cpp).
-Tensor weight_bf16(const Tensor& w);
 // A float32 activation rounded to bf16: the copy a node keeps for a bf16 product in its backward
 // (half the bytes, and the bits the product's own rounding would give). Asked twice in a row for
 // the same tensor, unchanged, it hands out the same copy: two nodes keeping it share the memory.

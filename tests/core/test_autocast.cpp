@@ -1,12 +1,12 @@
 // bfloat16 autocast (tapegrad/autocast.h): inside a scope, float32 linear and matmul compute with
 // operands rounded to bfloat16 and float32 sums, forward and backward; float64 and everything
-// outside the scope are untouched; parameters are cast once per scope.
-#include "autocast_cache.h"
+// outside the scope are untouched; weights are read in float32 and rounded as they are packed.
 #include "float_bits.h"
 #include "helpers.h"
 #include "isa_helpers.h"
 #include "kernels/bf16.h"
 #include "kernels/sgemm_bf16.h"
+#include "tapegrad/memory.h"
 
 using namespace tg;
 using namespace tgtest;
@@ -96,38 +96,27 @@ TEST_CASE("autocast leaves float64 products and products outside the scope alone
   tape().clear();  // graphs recorded here and never walked
 }
 
-TEST_CASE("autocast casts each parameter once per scope and forgets the casts when the scope ends") {
+TEST_CASE("autocast keeps no copy of a weight: products round the float32 weight as they pack it") {
   Generator g(14);
   Tensor w = randn({8, 16}, float32, &g).requires_grad_();
   const Tensor x = randn({4, 16}, float32, &g);
-  {
-    AutocastGuard autocast;
-    const Tensor y1 = linear(x, w);
-    const Tensor y2 = linear(x, w);
-    CHECK(detail::autocast_cache_size() == 1);  // one cast for two uses
-    CHECK(max_abs_diff(y1, y2) == 0);
-    const Tensor z = linear(x, mul(w, 2.0));    // not a leaf: cast afresh, not cached
-    CHECK(detail::autocast_cache_size() == 1);
-    {
-      AutocastGuard inner;  // nested scopes share the outermost one's casts
-      (void)linear(x, w);
-      CHECK(detail::autocast_cache_size() == 1);
-    }
-    CHECK(detail::autocast_cache_size() == 1);
-  }
-  CHECK(detail::autocast_cache_size() == 0);
-  // A new scope casts the parameter's new values.
+  AutocastGuard autocast;
+  // A recorded linear whose weight needs a gradient holds its output and its input's bf16 copy,
+  // and nothing of the weight but the weight itself.
+  const std::size_t before = memory_allocated();
+  Tensor y1 = linear(x, w);
+  CHECK(memory_allocated() - before == static_cast<std::size_t>(4 * 8 * 4 + 4 * 16 * 2));
+  // A weight written in place within the scope is read anew (PyTorch's autocast weight cache would
+  // hand out the copy made before the write).
   {
     NoGradGuard ng;
     w.data<float>()[0] += 1000.0f;
+    w.bump_version();
   }
-  Tensor y;
-  {
-    AutocastGuard autocast;
-    y = linear(x, w);
-  }
+  const Tensor y2 = linear(x, w);
   const Tensor ref = matmul(round_bf16(x).to(float64), round_bf16(w).to(float64), false, true);
-  CHECK(rel_diff(y, ref) < 1e-5);
+  CHECK(rel_diff(y2, ref) < 1e-5);
+  CHECK(max_abs_diff(y1, y2) > 1);
   tape().clear();  // graphs recorded here and never walked
 }
 
@@ -177,8 +166,8 @@ TEST_CASE("autocast: a recorded linear keeps its input as bf16, with the bits of
           y_unrecorded = linear(x, w, b);
         }
       }
-      // The node keeps x as bf16 (2 bytes an element), the weight, and the weight's bf16 copy.
-      CHECK(tape().bytes_saved() == static_cast<std::size_t>(rows * in * 2 + out * in * (4 + 2)));
+      // The node keeps x as bf16 (2 bytes an element) and the weight itself (no bf16 copy of it).
+      CHECK(tape().bytes_saved() == static_cast<std::size_t>(rows * in * 2 + out * in * 4));
       y.backward(dy);
       CHECK(same_bits(y, y_ref));
       CHECK(same_bits(y_unrecorded, y_ref));
@@ -191,7 +180,7 @@ TEST_CASE("autocast: a recorded linear keeps its input as bf16, with the bits of
   });
 }
 
-TEST_CASE("autocast: products without recording cast their weights afresh, recorded ones cache them") {
+TEST_CASE("autocast: products give the same bits recorded or not") {
   Generator g(16);
   Tensor w1 = randn({8, 16}, float32, &g).requires_grad_(), w2 = randn({6, 8}, float32, &g).requires_grad_();
   const Tensor x = randn({4, 16}, float32, &g);
@@ -200,15 +189,8 @@ TEST_CASE("autocast: products without recording cast their weights afresh, recor
   {
     NoGradGuard ng;
     unrecorded = linear(linear(x, w1), w2);
-    CHECK(detail::autocast_cache_size() == 0);  // each product's copy freed with it
   }
   const Tensor recorded = linear(linear(x, w1), w2);
-  CHECK(detail::autocast_cache_size() == 2);
   CHECK(same_bits(unrecorded, recorded));
-  {
-    NoGradGuard ng;  // the cache is neither read nor grown without recording: the same bits either way
-    CHECK(same_bits(linear(linear(x, w1), w2), recorded));
-    CHECK(detail::autocast_cache_size() == 2);
-  }
   tape().clear();  // graphs recorded here and never walked
 }

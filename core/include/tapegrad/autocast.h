@@ -9,21 +9,18 @@
 // optimizer's state. The backward of a product recorded inside the scope is a bf16 product too,
 // wherever backward() is called.
 //
-// Weights are cast once per scope: a leaf tensor that requires grad (a parameter) is rounded to
-// bf16 at its first use inside the outermost guard and the copy is reused until that guard ends,
-// as PyTorch's autocast weight cache does; so update parameters outside the scope (the optimizer
-// step after it). Without recording (NoGradGuard: evaluation), each product casts its weight
-// afresh and frees the copy, so that a forward holds one layer's bf16 weights, not the model's
-// (a difference from PyTorch, whose cache does not depend on grad mode). A checkpointed segment's
-// recomputation (tg::checkpoint) casts its weights into a cache of its own, dropped when it ends.
-// An activation that a recorded linear saves for its backward is rounded once, before the
-// product, and the node keeps the bf16 copy (half the bytes); other activations are rounded while
-// the product packs them, with no pass of their own.
+// Weights are not copied: a product reads the float32 weight and rounds it as it packs it, the
+// same bits a bf16 copy would give, with no memory of its own. (PyTorch's autocast keeps a bf16
+// copy of each weight for the scope, and its backward keeps them until it runs.) An activation
+// that a recorded op saves for its backward is rounded once, before the product, and the node
+// keeps the bf16 copy (half the bytes); two ops saving the same tensor share one copy. Other
+// activations are rounded while the product packs them, with no pass of their own.
 //
 // Differences from PyTorch: the products' outputs are float32 (PyTorch returns bfloat16 tensors
 // and casts them back at the next float32 op: the same values once rounded, but tapegrad keeps the
-// float32 sum unrounded). causal_attention's products take bf16-rounded operands too, with its
-// softmax statistics and output in float32 (docs/attention.md).
+// float32 sum unrounded), except where an op rounds them as PyTorch would (mlp's pre, ops.h).
+// causal_attention's products take bf16-rounded operands too, with its softmax statistics and
+// output in float32 (docs/attention.md).
 namespace tg {
 
 // AutocastGuard() turns bf16 products on for its scope, AutocastGuard(false) off (PyTorch's

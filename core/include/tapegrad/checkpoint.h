@@ -11,9 +11,7 @@
 // masks; autocast on or off).
 //
 // Cost: fn runs twice. Memory: the forward runs fn without recording, and what fn saves for its
-// backward lives during the segment's own backward only. Its bf16 weight copies (autocast) too:
-// the recomputation casts them into a cache of its own, dropped when the segment's backward ends.
-// Checkpointing each block of an L-block model keeps L block inputs instead of L blocks'
+// backward lives during the segment's own backward only. Checkpointing each block of an L-block model keeps L block inputs instead of L blocks'
 // activations (nn::GPT::set_gradient_checkpointing).
 //
 // params: every tensor that requires grad which fn uses and does not compute from x (a module's

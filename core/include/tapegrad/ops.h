@@ -75,7 +75,9 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b = Tensor(), cons
 // (w1 (2F, in) holds the gate's rows, then the up's). The same bits as
 // linear(gelu(linear(x, w1, b1)), w2, b2) (or swiglu), its unfused twin, with the activation done
 // in the products' epilogues and only x and x w1^T + b1 kept for the backward. A residual is added
-// as linear's is. PyTorch has no such op; nn::Block calls it for its MLP.
+// as linear's is. Under autocast x w1^T + b1 is rounded to bf16 before the activation, as PyTorch
+// autocast's bf16 linear output is, and kept so (composite::mlp spells it out). PyTorch has no
+// such op; nn::Block calls it for its MLP.
 Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
            const char* activation = "gelu", const Tensor& residual = Tensor());
 
