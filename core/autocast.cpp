@@ -26,11 +26,11 @@ Tensor to_bf16(const Tensor& x) {
   return h;
 }
 
-// The last activation rounded by activation_bf16 and its copy: two ops that keep the same tensor's
-// copy share it (causal_attention's output and the output projection's input). The entry holds
-// the source, so its memory cannot be reused by another tensor while the entry lives; a write in
-// place since shows in the version. It lasts until the next copy or the end of the outermost
-// guard.
+// The last activation rounded by activation_bf16 and its copy: the next op to ask for the same
+// tensor's copy is handed it (causal_attention's output, then the output projection's input). The
+// entry holds the source, so its memory cannot be reused by another tensor while the entry lives;
+// a write in place since (which bumps the version: Tensor::version) shows. It lasts until it is
+// handed out, the next copy is made, or a guard ends.
 struct LastCopy {
   Tensor source, copy;
   std::uint32_t version = 0;
@@ -42,10 +42,13 @@ thread_local LastCopy t_last;
 bool products_in_bf16(DType d) { return t_autocast && d == float32; }
 
 Tensor activation_bf16(const Tensor& x) {
-  const LastCopy& l = t_last;
+  LastCopy& l = t_last;
   if (l.copy.defined() && l.source.shares_storage(x) && l.source.raw_data() == x.raw_data() &&
-      l.source.shape() == x.shape() && l.version == x.version())
-    return l.copy;
+      l.source.shape() == x.shape() && l.version == x.version()) {
+    Tensor h = std::move(l.copy);
+    l = LastCopy{};  // handed out once: the source is not held past its consumer
+    return h;
+  }
   Tensor h = to_bf16(x);
   if (t_depth > 0) t_last = LastCopy{x.detach(), h, x.version()};
   return h;
@@ -60,7 +63,8 @@ AutocastGuard::AutocastGuard(bool enabled) : prev_(detail::t_autocast) {
 
 AutocastGuard::~AutocastGuard() {
   detail::t_autocast = prev_;
-  if (--detail::t_depth == 0) detail::t_last = detail::LastCopy{};
+  --detail::t_depth;
+  detail::t_last = detail::LastCopy{};
 }
 
 bool is_autocast_enabled() { return detail::t_autocast; }

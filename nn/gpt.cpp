@@ -120,7 +120,9 @@ Tensor Block::attention(const Tensor& h, const Tensor& residual) {
 
 // fc, GELU, fc_out (gpt) or gate_up, SwiGLU, down (llama) as one op (tg::mlp: the activation in
 // the products' epilogues, and x w1^T + b1 kept instead of the activation and its derivative);
-// the same bits as the three modules called in turn. A defined residual is added as fc_out
+// the same bits as the three modules called in turn, except under autocast, where the op rounds
+// x w1^T + b1 to bf16 before the activation as PyTorch's autocast does (composite::mlp spells it
+// out; nn::MLP's modules do not round). A defined residual is added as fc_out
 // finishes. The op reads the Linears' parameters directly: their forward() is not called (as
 // attention's proj with a residual), so a subclass of Linear would not be seen here.
 Tensor Block::mlp(const Tensor& h, const Tensor& residual) {

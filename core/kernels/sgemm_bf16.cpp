@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cassert>
 #include <atomic>
 #include <cfloat>
 #include <cmath>
@@ -44,7 +45,8 @@ i64 block(i64 n, i64 most, i64 unit) {
 
 i64 round_up(i64 n, i64 unit) { return (n + unit - 1) / unit * unit; }
 
-// ---- Packing (shared by both paths, so they multiply the same bits) ----------------------------
+// ---- Packing (the same words for every path, so they multiply the same bits; the native paths
+// pack B^T with AVX-512, pack_b_trans_native) ------------------------------------------------------
 
 // The packers read op(A) a few hundred elements of a row at a time, rows ld apart: a pattern the
 // hardware prefetcher follows only late, so each row's first lines wait for memory. They ask for
@@ -319,7 +321,8 @@ inline void transpose16(__m512i r[16]) {
     u[4 * i + 3] = _mm512_maskz_unpackhi_epi64(0xFF, t[4 * i + 1], t[4 * i + 3]);
   }
   for (int m = 0; m < 4; ++m) {
-    const __m512i x0 = _mm512_maskz_shuffle_i32x4(0xFFFF, u[m], u[4 + m], 0x88), x1 = _mm512_maskz_shuffle_i32x4(0xFFFF, u[m], u[4 + m], 0xDD);
+    const __m512i x0 = _mm512_maskz_shuffle_i32x4(0xFFFF, u[m], u[4 + m], 0x88);
+    const __m512i x1 = _mm512_maskz_shuffle_i32x4(0xFFFF, u[m], u[4 + m], 0xDD);
     const __m512i y0 = _mm512_maskz_shuffle_i32x4(0xFFFF, u[8 + m], u[12 + m], 0x88);
     const __m512i y1 = _mm512_maskz_shuffle_i32x4(0xFFFF, u[8 + m], u[12 + m], 0xDD);
     r[m] = _mm512_maskz_shuffle_i32x4(0xFFFF, x0, y0, 0x88);
@@ -336,7 +339,9 @@ inline void transpose16(__m512i r[16]) {
 template <class T>
 void pack_b_trans_native(const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* Bp) {
   const i64 pairs = (kc + 1) / 2;
-  constexpr i64 kWords = kKC / 2 + 16;  // a row's words, with room to round pairs up to 16
+  static_assert(kKC / 2 % 16 == 0, "a row's pairs round up to 16 within kKC / 2 words");
+  assert(kc <= kKC);
+  constexpr i64 kWords = kKC / 2;  // a row's words
   alignas(64) u32 w[16][kWords];
   const i64 pairs16 = round_up(pairs, 16);
   for (i64 j0 = 0; j0 < kNR; j0 += 16) {

@@ -66,15 +66,15 @@ Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
     // What the backward needs of the softmax is each row's log-sum-exp: it recomputes the
     // probabilities tile by tile, and keeps nothing of size T x T. With bf16 products, qkv is
     // kept as its bf16 copy: the backward's products round q, k and v to bf16 anyway, so the bits
-    // are the same, in half the memory. (The forward rounds its tiles from the float qkv: reading
-    // the copy instead measured slower, its bf16 k tiles transposed element by element.) So is y,
-    // which the backward reads only for D_i = dy_i . y_i (docs/attention.md gives the bound): the
-    // output projection's Linear keeps that same copy for its weight's gradient
-    // (activation_bf16 hands it the copy just made), so y's float32 memory is not kept at all.
+    // are the same, in half the memory. (The forward rounds its tiles from the float qkv: the
+    // copy's k tiles would be transposed element by element, docs/performance.md.) So is y, which
+    // the backward reads only for D_i = dy_i . y_i (docs/attention.md gives the bound): y's copy is
+    // made last, so that the output projection's Linear, the next op to ask for one, is handed
+    // this same copy by activation_bf16, and y's float32 memory is not kept at all.
     struct Saved { Tensor qkv, y, lse; };  // (B, T, 3C), (B, T, C), float or both bf16; (B, H, T)
     const bool copies = d.bf16 && y.numel() > 0;
-    Saved saved{copies ? detail::activation_bf16(qkv) : qkv.detach(), copies ? detail::activation_bf16(y) : y.detach(),
-                lse};
+    Saved saved{copies ? detail::activation_bf16(qkv) : qkv.detach(), Tensor(), lse};
+    saved.y = copies ? detail::activation_bf16(y) : y.detach();
     record(op, {&qkv}, {&y}, std::move(saved), [d](Node& n, const Saved& s) {
       if (n.grad_out().numel() == 0) return detail::pass_zeros(n, 0);  // no outputs (T = 0 or C = 0)
       Tensor dqkv = n.new_grad(0);

@@ -227,10 +227,9 @@ template <class T>
 void linear_backward_products(Node& n, const LinearSaved& s, bool bf16, const T* G, std::int64_t rows,
                               std::int64_t in, std::int64_t out) {
   Tensor dx = n.new_grad(0), dw = n.new_grad(1);
-  const Tensor& w = s.w;
   const Tensor& x = s.x_bf16.defined() ? s.x_bf16 : s.x;
   using detail::operand;
-  const detail::Product<T> px{false, false, rows, in, out, operand(G, out), operand<T>(w, in),
+  const detail::Product<T> px{false, false, rows, in, out, operand(G, out), operand<T>(s.w, in),
                               T(0), detail::grad_ptr<T>(dx), in, bf16};
   detail::Product<T> pw{true, false, out, in, rows, operand(G, out), {}, T(0), detail::grad_ptr<T>(dw), in, bf16};
   if (dw.defined()) pw.B = operand<T>(x, in);
@@ -316,10 +315,10 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& r
   for (int d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
   Tensor y = Tensor::empty(yshape, x.dtype());
   // In bf16 the products round the float32 weight as they pack it: no copy of it is made or kept.
-  // When the op is recorded and w needs a gradient (the backward's dw = dy^T x reads x), x is rounded to bf16 once, before the
-  // product, and the node keeps that copy instead of x: half the bytes kept from the forward to the
-  // backward, and the same bits (the product rounds a float32 operand the same way while it packs
-  // it).
+  // When the op is recorded and w needs a gradient (the backward's dw = dy^T x reads x), x is
+  // rounded to bf16 once, before the product, and the node keeps that copy instead of x: half the
+  // bytes kept from the forward to the backward, and the same bits (the product rounds a float32
+  // operand the same way while it packs it).
   const bool bf16 = detail::products_in_bf16(x.dtype()) && in > 0;
   const bool recording = should_record({&x, &w, &b, &residual});
   const Tensor x_bf16 = bf16 && recording && w.requires_grad() && rows * out > 0 ? detail::activation_bf16(x) : Tensor();

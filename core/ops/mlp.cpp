@@ -11,8 +11,9 @@
 // autocast with pre rounded to bf16 between, kernels/mlp.h), on the same operands, so the results
 // are its bits, in float32, float64 and under autocast, where the node keeps pre as bf16. The
 // backward's epilogue makes h and act'(pre) from one evaluation (GELU: one erf and one exp per
-// element, as the unfused forward's): a separate pass for h cost 2.5% of the medium model's step,
-// and a buffer for act'(pre) raised the bf16 step's peak memory.
+// element, as the unfused forward's): neither a separate pass over memory for h nor a buffer for
+// act'(pre) (docs/performance.md has what they cost).
+#include <cassert>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -45,11 +46,11 @@ struct MlpDims {
 // the forward's h = act(pre); the backward's h again and dpre = act'(pre) dh.
 template <class T>
 struct ActEpilogue {
-  const T* pre;  // the product's pre, or the saved one (float pre; null under autocast in the backward)
-  const T* dh;   // null in the forward
-  T* out;        // h (forward) or dpre (backward)
   MlpDims d;
-  T* h = nullptr;  // the backward's h
+  const T* pre = nullptr;  // the product's pre, or the saved one (float pre; null under autocast in the backward)
+  const T* dh = nullptr;   // null in the forward
+  T* out = nullptr;        // h (forward) or dpre (backward)
+  T* h = nullptr;          // the backward's h
   // Under autocast (T = float): h as bf16, instead of the forward's out or the backward's h; and
   // pre as bf16, which the forward writes (keep, when the node saves it) and the backward reads
   // (saved). kernels/mlp.h's _bf16 epilogues.
@@ -81,6 +82,7 @@ struct ActEpilogue {
   }
   static void run(const void* ctx, i64 r0, i64 r1, i64 c0, i64 c1) {
     const auto& e = *static_cast<const ActEpilogue*>(ctx);
+    assert(!e.hb || (std::is_same_v<T, float>));  // bf16 products are float32 ones (products_in_bf16)
     if (e.hb) e.apply_bf16(r0, r1, c0, c1);
     else e.apply(r0, r1, c0, c1);
   }
@@ -112,8 +114,8 @@ void mlp_forward(const Tensor& x, MlpSaved& s, const Tensor& b1, const Tensor& b
   // h: float, or bf16 when the products are (ActEpilogue::hb).
   Tensor h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : x.dtype());
   kernels::bf16* hb = d.bf16 ? static_cast<kernels::bf16*>(h.raw_data()) : nullptr;
-  const ActEpilogue<T> act{pre, nullptr, hb ? nullptr : h.data<T>(), d, nullptr, hb,
-                           d.bf16 && s.pre.defined() ? static_cast<kernels::bf16*>(s.pre.raw_data()) : nullptr};
+  const ActEpilogue<T> act{.d = d, .pre = pre, .out = hb ? nullptr : h.data<T>(), .hb = hb,
+                           .keep = d.bf16 && s.pre.defined() ? static_cast<kernels::bf16*>(s.pre.raw_data()) : nullptr};
   const Tensor& xs = s.x_bf16.defined() ? s.x_bf16 : x;
   detail::run(detail::Product<T>{false, true, d.rows, d.H, d.C, operand<T>(xs, d.C),
                                  operand<T>(s.w.w1, d.C), fill_bias(pre, b1, d.rows, d.H), pre,
@@ -156,20 +158,21 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   // after this backward (Node::reusable_saved): the epilogue reads each pre[i] before it writes
   // h[i] at the same place, and nothing else reads pre. That saves a (rows, F) buffer where the
   // last block's backward runs, the step's peak of memory.
-  Tensor h = !d.bf16 && d.act == Act::gelu ? n.reusable_saved(s.pre) : Tensor();
-  if (!h.defined()) h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : n.grad_out().dtype());
   const DType dt = n.grad_out().dtype();
+  Tensor h = !d.bf16 && d.act == Act::gelu ? n.reusable_saved(s.pre) : Tensor();
+  if (!h.defined()) h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : dt);
   Tensor dh = Tensor::empty({d.rows, d.F}, dt);
   Tensor dpre = d.act == Act::gelu ? dh : Tensor::empty({d.rows, d.H}, dt);
   kernels::bf16* hb = d.bf16 ? static_cast<kernels::bf16*>(h.raw_data()) : nullptr;
-  const ActEpilogue<T> back{pre, dh.data<T>(), dpre.data<T>(), d, hb ? nullptr : h.data<T>(), hb, nullptr, saved};
+  const ActEpilogue<T> back{.d = d, .pre = pre, .dh = dh.data<T>(), .out = dpre.data<T>(),
+                            .h = hb ? nullptr : h.data<T>(), .hb = hb, .saved = saved};
   const bool want_pre = n.needs_grad(0) || n.needs_grad(1) || n.needs_grad(2);  // dpre is read by x's, w1's, b1's
   if (want_pre) {
     detail::run(detail::Product<T>{false, false, d.rows, d.F, d.out, operand(G, d.out),
                                    operand<T>(s.w.w2, d.F), T(0), dh.data<T>(), d.F, d.bf16,
                                    back.epilogue()});
   } else {
-    const ActEpilogue<T> fwd{pre, nullptr, hb ? nullptr : h.data<T>(), d, nullptr, hb, nullptr, saved};
+    const ActEpilogue<T> fwd{.d = d, .pre = pre, .out = hb ? nullptr : h.data<T>(), .hb = hb, .saved = saved};
     kernels::parallel_for(d.rows, d.rows * d.H, [&](i64 lo, i64 hi) { fwd.run(&fwd, lo, hi, 0, d.H); });
   }
   Tensor dw2 = n.new_grad(3);

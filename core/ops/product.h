@@ -22,7 +22,8 @@ namespace tg::detail {
 bool products_in_bf16(DType d);
 // A float32 activation rounded to bf16: the copy a node keeps for a bf16 product in its backward
 // (half the bytes, and the bits the product's own rounding would give). Asked twice in a row for
-// the same tensor, unchanged, it hands out the same copy: two nodes keeping it share the memory.
+// the same tensor, unchanged since (every write in place bumps its version, Tensor::version), it
+// hands out the same copy the second time: the two nodes keeping it share the memory.
 Tensor activation_bf16(const Tensor& x);
 
 // One operand: T data or bf16 data (exactly one non-null), with its leading dimension.

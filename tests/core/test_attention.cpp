@@ -241,7 +241,8 @@ TEST_CASE("causal attention keeps qkv, y and lse for its backward: nothing of si
     z = linear(y16, w);
   }
   y16 = Tensor();  // what is left: the nodes' copies of qkv and y, lse and z
-  CHECK(memory_allocated() - mem16 == static_cast<std::size_t>((B * T * 3 * C + B * T * C) * 2 + (B * H * T + B * T * C) * 4));
+  CHECK(memory_allocated() - mem16 ==
+        static_cast<std::size_t>((B * T * 3 * C + B * T * C) * 2 + (B * H * T + B * T * C) * 4));
   tape().clear();
 }
 

@@ -340,15 +340,21 @@ TEST_CASE("bf16 product: the emulated path gives vdpbf16ps's bits", "[bf16]") {
           if (hard) {
             fill_hard(g, p.A);
             fill_hard(g, p.B);
+            to_bf16(p.A.data(), p.Ah.data(), static_cast<i64>(p.A.size()));
+            to_bf16(p.B.data(), p.Bh.data(), static_cast<i64>(p.B.size()));
           }
-          std::vector<float> native = p.C, emulated = p.C;
-          bf16_impl::gemm_bf16_single(p.args(false, false, native.data()), true);
-          bf16_impl::gemm_bf16_single(p.args(false, false, emulated.data()), false);
-          INFO("M=" << M << " N=" << N << " K=" << K << " ta=" << ta << " tb=" << tb << " hard=" << hard);
-          for (std::size_t i = 0; i < native.size(); ++i) {
-            INFO("element " << i << ": native 0x" << std::hex << bits_of(native[i]) << ", emulated 0x"
-                            << bits_of(emulated[i]));
-            REQUIRE(same_bits_or_nan(native[i], emulated[i]));
+          for (int ops = 0; ops < 4; ++ops) {  // each operand float32 or bf16 (the packers' two sources)
+            const bool a16 = ops & 1, b16 = ops & 2;
+            std::vector<float> native = p.C, emulated = p.C;
+            bf16_impl::gemm_bf16_single(p.args(a16, b16, native.data()), true);
+            bf16_impl::gemm_bf16_single(p.args(a16, b16, emulated.data()), false);
+            INFO("M=" << M << " N=" << N << " K=" << K << " ta=" << ta << " tb=" << tb << " hard=" << hard
+                      << " A bf16=" << a16 << " B bf16=" << b16);
+            for (std::size_t i = 0; i < native.size(); ++i) {
+              INFO("element " << i << ": native 0x" << std::hex << bits_of(native[i]) << ", emulated 0x"
+                              << bits_of(emulated[i]));
+              REQUIRE(same_bits_or_nan(native[i], emulated[i]));
+            }
           }
         }
 }

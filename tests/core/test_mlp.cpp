@@ -3,6 +3,7 @@
 // and at shapes on both sides of the products' team threshold; float64 gradients against finite
 // differences; the kernels' epilogues on blocks against whole passes; and the error messages.
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -206,7 +207,7 @@ TEST_CASE("mlp with empty shapes gives the unfused ops' results", "[mlp]") {
     Tensor x = param64({rows, C}, 1).requires_grad_(), w1 = param64({H, C}, 2).requires_grad_();
     Tensor w2 = param64({5, H}, 3).requires_grad_(), b2 = param64({5}, 4).requires_grad_();
     Tensor y = mlp(x, w1, Tensor(), w2, b2);
-    Tensor want = unfused(x.detach(), w1.detach(), Tensor(), w2.detach(), b2.detach(), "gelu");
+    Tensor want = linear(gelu(linear(x.detach(), w1.detach())), w2.detach(), b2.detach());
     REQUIRE(y.shape() == want.shape());
     REQUIRE(max_abs_diff(y, want) == 0.0);
     backward(sum(y));
@@ -337,5 +338,39 @@ TEST_CASE("under autocast mlp rounds pre to bf16 and keeps it so", "[mlp]") {
     CHECK(bf16_bytes == float_bytes - static_cast<std::size_t>(rows * (c.C + c.H)) * 2);
     CHECK_FALSE(same_bits(y16.detach(), unrounded));
     CHECK(max_abs_diff(y16.detach(), unrounded) < 0.05);
+  }
+}
+
+TEST_CASE("under autocast mlp gives its twin's bits with x, w1 and b1 frozen, and without recording", "[mlp]") {
+  // The backward without dpre to make (h from the saved bf16 pre in a pass of its own), and the
+  // forward that keeps nothing: the paths the training step does not take.
+  for (const char* act : {"gelu", "swiglu"}) {
+    INFO(act);
+    const MlpCase c{2, 30, 8, 64, true, act};
+    const std::int64_t F = std::string(act) == "gelu" ? c.H : c.H / 2;
+    const Tensor x = leaf({c.B, c.T, c.C}, 1, float32).detach(), w1 = leaf({c.H, c.C}, 2, float32, 0.3).detach();
+    const Tensor b1 = leaf({c.H}, 4, float32).detach(), dy = param64({c.B, c.T, c.C}, 6).detach().to(float32);
+    std::vector<Tensor> got[2];
+    for (bool fused : {true, false}) {
+      Tensor w2 = leaf({c.C, F}, 3, float32, 0.3), b2 = leaf({c.C}, 5, float32);
+      tape().clear();
+      Tensor y, y_unrecorded;
+      {
+        AutocastGuard autocast;
+        y = fused ? mlp(x, w1, b1, w2, b2, act) : composite::mlp(x, w1, b1, w2, b2, act);
+        NoGradGuard ng;
+        y_unrecorded = fused ? mlp(x, w1, b1, w2, b2, act) : composite::mlp(x, w1, b1, w2, b2, act);
+      }
+      // NaN in the memory the backward's bf16 h (rows x F) is made in next, so that an element the
+      // backward fails to write shows (the allocator hands a freed block of that size out again).
+      (void)full({c.B * c.T * F / 2}, std::nan(""), float32);
+      backward(sum(y * dy));
+      got[fused ? 0 : 1] = {y.detach(), y_unrecorded, w2.grad(), b2.grad()};
+    }
+    for (std::size_t i = 0; i < got[0].size(); ++i) {
+      INFO("tensor " << i << " (y, y without recording, dw2, db2)");
+      REQUIRE(same_bits(got[0][i], got[1][i]));
+    }
+    REQUIRE(same_bits(got[0][0], got[0][1]));
   }
 }

@@ -11,8 +11,8 @@
 // masks; autocast on or off).
 //
 // Cost: fn runs twice. Memory: the forward runs fn without recording, and what fn saves for its
-// backward lives during the segment's own backward only. Checkpointing each block of an L-block model keeps L block inputs instead of L blocks'
-// activations (nn::GPT::set_gradient_checkpointing).
+// backward lives during the segment's own backward only. Checkpointing each block of an L-block
+// model keeps L block inputs instead of L blocks' activations (nn::GPT::set_gradient_checkpointing).
 //
 // params: every tensor that requires grad which fn uses and does not compute from x (a module's
 // parameters()). Difference from PyTorch, which finds them itself: here the list makes the node

@@ -72,8 +72,8 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b = Tensor(), const Tensor& residual = Tensor());
 
 // The transformer MLP as one op: act(x w1^T + b1) w2^T + b2, act "gelu" (the erf GELU) or "swiglu"
-// (w1 (2F, in) holds the gate's rows, then the up's). The same bits as
-// linear(gelu(linear(x, w1, b1)), w2, b2) (or swiglu), its unfused twin, with the activation done
+// (w1 (2F, in) holds the gate's rows, then the up's). The same bits as composite::mlp, its
+// unfused twin linear(gelu(linear(x, w1, b1)), w2, b2) (or swiglu), with the activation done
 // in the products' epilogues and only x and x w1^T + b1 kept for the backward. A residual is added
 // as linear's is. Under autocast x w1^T + b1 is rounded to bf16 before the activation, as PyTorch
 // autocast's bf16 linear output is, and kept so (composite::mlp spells it out). PyTorch has no
