@@ -98,8 +98,12 @@ void pack_b_panel(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u
 }
 
 #ifdef TG_BF16_X86
+// Defined with the native kernel, under its target options (which the declaration repeats: GCC
+// takes a template's target from its first declaration).
 template <class T>
-void pack_b_trans_native(const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* Bp);
+[[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")]] void pack_b_trans_native(const T* B, i64 ld, i64 k0,
+                                                                                         i64 kc, i64 n0, i64 nc,
+                                                                                         u32* Bp);
 #endif
 
 // native: the vdpbf16ps and AMX paths, which pack op(B) = B^T with AVX-512 (the same words).
