@@ -336,9 +336,14 @@ bool sample_finished_run(const lm::TrainConfig& r) {
   return true;
 }
 
-// Trains each norm of kinds over o.seeds seeds, in turn, on the same corpus. With several runs
-// each has its own directory under --out: <norm>/ with --compare, seed<N>/ with --seeds.
-std::vector<lm::RunResult> train_runs(const Options& o, const std::vector<tg::nn::NormKind>& kinds) {
+void write_report(const Options& o, const lm::TrainConfig& settings, const fs::path& top,
+                  const std::vector<lm::RunResult>& runs);
+
+// Trains each norm of kinds over o.seeds seeds, in turn, on the same corpus, and writes the report.
+// With several runs each has its own directory under --out: <norm>/ with --compare, seed<N>/ with
+// --seeds. The directory stays locked until the report is written: a process stopped while it
+// writes a report file leaves a temporary file, which the next lock of the directory removes.
+void train_runs(const Options& o, const std::vector<tg::nn::NormKind>& kinds) {
   const lm::TrainConfig& c = o.c;
   lm::RunLock lock;  // the whole directory, for every run under it
   if (!c.out.empty()) lm::on_rank0([&] { lock = lm::claim_new_run(c.out, o.overwrite); });
@@ -362,7 +367,7 @@ std::vector<lm::RunResult> train_runs(const Options& o, const std::vector<tg::nn
       if (!c.sample || o.quiet) continue;
       std::cerr << "--- sample (" << runs.back().norm << ") ---\n" << runs.back().sample_text << "\n---\n";
     }
-  return runs;
+  write_report(o, c, c.out, runs);
 }
 
 // The settings line of summary.md.
@@ -419,6 +424,10 @@ void resume(const Options& o, const CLI::App& app) {
   tg::Metadata meta;
   const lm::TrainConfig r = resumed_config(o, app, meta);
   if (r.sample > 0 && sample_finished_run(r)) return;
+  // Locked through the report, as train_runs; and also when there is nothing to do, so that a
+  // temporary file left by a process stopped while it wrote the finished run's report goes.
+  lm::RunLock lock;
+  lm::on_rank0([&] { lock = lm::RunLock(r.out); });
   if (nothing_to_do(r, meta)) {
     std::cerr << "the run in " << r.out << " is finished (step " << r.steps
               << " reached): nothing to do; --steps N continues it, --sample N samples it\n";
@@ -432,18 +441,15 @@ void resume(const Options& o, const CLI::App& app) {
 void run(Mode mode, const Options& o, const CLI::App& app) {
   using tg::nn::NormKind;
   if (o.threads > 0) tg::set_num_threads(o.threads);
-  std::vector<lm::RunResult> runs;
   switch (mode) {
     case Mode::trace: trace_one_step(o); return;
     case Mode::export_gguf: std::cerr << lm::export_run_gguf(o.resume, o.gguf) << "\n"; return;
     case Mode::resume: resume(o, app); return;
-    case Mode::train: runs = train_runs(o, {o.c.model.norm}); break;
+    case Mode::train: train_runs(o, {o.c.model.norm}); return;
     case Mode::compare:
-      runs = train_runs(o, {NormKind::layernorm, NormKind::rmsnorm, NormKind::prmsnorm, NormKind::batchnorm,
-                            NormKind::none});
-      break;
+      train_runs(o, {NormKind::layernorm, NormKind::rmsnorm, NormKind::prmsnorm, NormKind::batchnorm, NormKind::none});
+      return;
   }
-  write_report(o, o.c, o.c.out, runs);
 }
 
 // The line a run stopped by SIGINT or SIGTERM ends with (rank 0), and its exit code.

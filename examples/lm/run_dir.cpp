@@ -20,7 +20,7 @@ namespace {
 
 // What a train_lm run writes into its directory.
 constexpr const char* kRunFiles[] = {"checkpoint.safetensors", "model.safetensors", "metrics.csv", "train_log.csv",
-                                     "summary.md",             "val_loss.svg",      "samples.txt"};
+                                     "summary.md",             "val_loss.svg",      "val_bpb.svg", "samples.txt"};
 
 bool is_run_file(const std::string& name) {
   for (const char* f : kRunFiles)

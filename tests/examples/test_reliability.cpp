@@ -723,6 +723,7 @@ TEST_CASE("the run lock keeps other processes out, not the holder, and temporary
   write_file(dir / "checkpoint.safetensors.999999.tmp", "stale");
   write_file(dir / "checkpoint.safetensors.999998", "stale");
   write_file(dir / "metrics.csv.tmp", "stale");
+  write_file(dir / "val_bpb.svg.999997.tmp", "stale");  // every report file's, the bits-per-byte chart's too
   write_file(dir / "notes.tmp", "mine");
   write_file(dir / "notes.123", "mine");
   auto other_process_locks = [&] {  // 0: it took the lock; 3: refused with tg::Error saying so
@@ -744,6 +745,7 @@ TEST_CASE("the run lock keeps other processes out, not the holder, and temporary
     CHECK_FALSE(fs::exists(dir / "checkpoint.safetensors.999999.tmp"));  // a dead writer's temporary files go
     CHECK_FALSE(fs::exists(dir / "checkpoint.safetensors.999998"));
     CHECK_FALSE(fs::exists(dir / "metrics.csv.tmp"));
+    CHECK_FALSE(fs::exists(dir / "val_bpb.svg.999997.tmp"));
     CHECK(fs::exists(dir / "notes.tmp"));
     CHECK(fs::exists(dir / "notes.123"));
     const lm::RunLock b(dir.string());  // the same process (the program, then its trainer): shared
@@ -809,6 +811,8 @@ TEST_CASE("a resume of a finished run changes nothing on disk, and after a resum
   const fs::path out = dir / "run", log = dir / "log";
   REQUIRE(run(tiny_run(data, out, 30), log) == 0);
   const auto before = snapshot(out);
+  // What a process stopped while it wrote the finished run's report leaves: the resume removes it.
+  write_file(out / "val_bpb.svg.999991.tmp", "stale");
   for (const auto& again : {resume_of(out), resume_of(out) + std::vector<std::string>{"--steps", "30"},
                             resume_of(out) + std::vector<std::string>{"--steps", "20"}}) {
     fs::remove(log);
