@@ -9,10 +9,13 @@
 //     file's rounded weights and products of bfloat16 operands with float32 sums
 //     (tg::AutocastGuard) for the Linears, which is what ggml's BF16 matrix product computes,
 //     and float32 attention (generation's KV-cache path; ggml's reads f16 keys and values, and
-//     autocast would round causal_attention's operands to bf16); and lie within R / 2
-//     of the twin, so that the difference from float32 is the rounding. The twin does not match
-//     to 1e-4: an activation whose float32 value sits near a bfloat16 rounding boundary can round
-//     one bfloat16 step (2^-8 relative) apart after sums taken in another order.
+//     autocast would round causal_attention's operands to bf16); and lie within R of the twin,
+//     so that the difference from float32 is the rounding, not a mapping error (which moves
+//     probabilities by orders of magnitude more). The twin is not ggml's arithmetic exactly:
+//     autocast's mlp rounds the gate/up product's output to bf16 before SwiGLU, as PyTorch's
+//     autocast does and ggml does not, a rounding of the size of R's own; and an activation whose
+//     float32 value sits near a bfloat16 rounding boundary can round one bfloat16 step (2^-8
+//     relative) apart after sums taken in another order.
 // Then the same model trained on byte-level BPE tokens (train_lm --tokenizer bpe --vocab-size 300),
 // exported in F32 as llama.cpp's gpt2 tokenizer: the prompt must tokenize to tapegrad's BPE ids
 // (the encode of tapegrad::text), and the F32 probabilities and 64 greedy tokens must agree as
@@ -189,9 +192,9 @@ bool check_bf16(Model& m, const fs::path& gguf, const std::vector<std::int32_t>&
   std::ostringstream a, b;
   a << "BF16: max |p_llama.cpp - p_tapegrad float32| = " << vs_f32 << " (tolerance 2 R = " << 2 * rounding
     << ", R = " << rounding << ": how far bf16 rounding moves tapegrad's own)";
-  b << "BF16: max |p_llama.cpp - p_tapegrad bf16 twin| = " << vs_twin << " (tolerance R / 2 = " << rounding / 2 << ")";
+  b << "BF16: max |p_llama.cpp - p_tapegrad bf16 twin| = " << vs_twin << " (tolerance R = " << rounding << ")";
   const bool ok = check(vs_f32 <= 2 * rounding, a.str());
-  return check(vs_twin <= rounding / 2, b.str()) && ok;
+  return check(vs_twin <= rounding, b.str()) && ok;
 }
 
 // train_lm on the corpus into dir (extra: the tokenizer options), then --export-gguf of each
