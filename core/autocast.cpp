@@ -43,8 +43,9 @@ bool products_in_bf16(DType d) { return t_autocast && d == float32; }
 
 Tensor activation_bf16(const Tensor& x) {
   LastCopy& l = t_last;
-  if (l.copy.defined() && l.source.shares_storage(x) && l.source.raw_data() == x.raw_data() &&
-      l.source.shape() == x.shape() && l.version == x.version()) {
+  // The same memory (a tensor has no offset into its storage), shape and writes: the same values.
+  if (l.copy.defined() && l.source.shares_storage(x) && l.source.shape() == x.shape() &&
+      l.version == x.version()) {
     Tensor h = std::move(l.copy);
     l = LastCopy{};  // handed out once: the source is not held past its consumer
     return h;

@@ -68,15 +68,8 @@ struct AttnDims {
 // A head's rows are 3C (or C) apart, pages apart at GPT-2's widths, where the hardware's stride
 // prefetcher does not follow: without a hint each first touch of a row waits for memory (a
 // quarter of the backward's time at GPT-2 small's widths, in its transposes, bf16 copies and row
-// sums). prefetch_rows asks for rows [r, r + n) of x (cols each, leading dimension ld), clipped to
-// rows.
+// sums). The kernels ask for rows this far ahead (prefetch_rows, gemm.h).
 inline constexpr std::int64_t kPrefetchAhead = 8;  // rows
-template <class T>
-inline void prefetch_rows(const T* x, std::int64_t ld, std::int64_t r, std::int64_t n, std::int64_t rows,
-                          std::int64_t cols) {
-  for (std::int64_t i = r; i < std::min(r + n, rows); ++i)
-    for (std::int64_t c = 0; c < cols; c += 64 / static_cast<std::int64_t>(sizeof(T))) __builtin_prefetch(x + i * ld + c);
-}
 
 // x (rows, cols, leading dimension ld) -> out (rows, cols, leading dimension ldo): each value
 // rounded to bf16 and held in T (float). out may be x (with ldo = ld).

@@ -57,6 +57,16 @@ inline void prefetch_tile(const float* C, std::int64_t ld, int mv, int nv) {
   }
 }
 
+// Asks for rows [r, r + n) of x (cols elements each, leading dimension ld), clipped to rows: for
+// loops that read a few hundred elements of a row at a time, rows far apart, a pattern the
+// hardware prefetcher follows only late, so each row's first lines would wait for memory.
+template <class T>
+inline void prefetch_rows(const T* x, std::int64_t ld, std::int64_t r, std::int64_t n, std::int64_t rows,
+                          std::int64_t cols) {
+  for (std::int64_t i = r; i < r + n && i < rows; ++i)
+    for (std::int64_t c = 0; c < cols; c += 64 / static_cast<std::int64_t>(sizeof(T))) __builtin_prefetch(x + i * ld + c);
+}
+
 // One product's arguments, as gemm's, for gemm_pair; ep, when set, runs on C's blocks as they
 // are finished.
 template <class T>

@@ -87,8 +87,9 @@ void store_bf16(bf16* out, std::int64_t j0, std::int64_t j1, Make&& make) {
   }
 }
 
-// t[0, n) = x[0, n) rounded to bf16 (as float; n <= kChunk). From the product's float pre, whose
-// bf16 bits also go to keep when it is set (the node's saved pre); from the saved bf16 pre, exact.
+// t[0, n) = x[0, n) rounded to bf16 (as float; n <= kChunk; t may be x). From the product's float
+// pre, whose bf16 bits also go to keep when it is set (the node's saved pre); from the saved bf16
+// pre, exact.
 inline void rounded(const float* x, bf16* keep, float* t, std::int64_t n) {
   bf16 b[kChunk];
   bf16* dst = keep ? keep : b;
@@ -99,12 +100,7 @@ inline void rounded(const bf16* x, bf16*, float* t, std::int64_t n) { to_float(x
 
 // x[0, n) rounded to bf16 in place: the gradient of pre as the unfused twin's .to() makes it.
 inline void round_in_place(float* x, std::int64_t n) {
-  bf16 b[kChunk];
-  for (std::int64_t j = 0; j < n; j += kChunk) {
-    const std::int64_t m = std::min(kChunk, n - j);
-    to_bf16(x + j, b, m);
-    to_float(b, x + j, m);
-  }
+  for (std::int64_t j = 0; j < n; j += kChunk) rounded(x + j, nullptr, x + j, std::min(kChunk, n - j));
 }
 
 // h (bf16) = gelu(rounded pre) on rows [r0, r1), columns [c0, c1). P: float, the forward's product

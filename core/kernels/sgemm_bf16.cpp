@@ -48,16 +48,8 @@ i64 round_up(i64 n, i64 unit) { return (n + unit - 1) / unit * unit; }
 // ---- Packing (the same words for every path, so they multiply the same bits; the native paths
 // pack B^T with AVX-512, pack_b_trans_native) ------------------------------------------------------
 
-// The packers read op(A) a few hundred elements of a row at a time, rows ld apart: a pattern the
-// hardware prefetcher follows only late, so each row's first lines wait for memory. They ask for
-// the rows kPackAhead steps ahead: n rows of `len` elements from x, ld apart.
+// The packers ask for op(A)'s rows this many steps ahead (prefetch_rows, gemm.h).
 constexpr i64 kPackAhead = 2;
-template <class T>
-inline void prefetch_span(const T* x, i64 n, i64 ld, i64 len) {
-  constexpr i64 per_line = 64 / static_cast<i64>(sizeof(T));
-  for (i64 r = 0; r < n; ++r)
-    for (i64 j = 0; j < len; j += per_line) __builtin_prefetch(x + r * ld + j);
-}
 
 inline u32 float_bits(float x) {
   u32 u;
@@ -130,7 +122,7 @@ void pack_a_rows(const Bf16Operand& A, i64 r0, i64 mc, i64 k0, i64 kc, bf16* Ap,
     bf16* d = Ap + i * kcp;
     if (A.f) {
       const float* s = A.f + (r0 + i) * A.ld + k0;
-      if (i + kPackAhead < mc) prefetch_span(s + kPackAhead * A.ld, 1, A.ld, kc);
+      prefetch_rows(A.f + r0 * A.ld + k0, A.ld, i + kPackAhead, 1, mc, kc);
       if (native) bf16_impl::to_bf16_avx512(s, d, kc);
       else bf16_impl::to_bf16_portable(s, d, kc);
     } else {
@@ -150,7 +142,7 @@ void pack_a_trans(const T* A, i64 ld, i64 r0, i64 mc, i64 k0, i64 kc, u32* Ap) {
   u32 w[kRowsMax + kMR];
   for (i64 p = 0; p < pairs; ++p) {
     const T* s = A + (k0 + 2 * p) * ld + r0;
-    if (p + kPackAhead < full) prefetch_span(s + 2 * kPackAhead * ld, 2, ld, mc);
+    prefetch_rows(A + k0 * ld + r0, ld, 2 * (p + kPackAhead), 2, kc, mc);
     if (p < full)
       for (i64 i = 0; i < mc; ++i) w[i] = lo_of(s[i]) | hi_of(s[ld + i]);
     else

@@ -14,8 +14,8 @@
 // copy of each weight for the scope, and its backward keeps them until it runs.) An activation
 // that a recorded op saves for its backward is rounded once, before the product, and the node
 // keeps the bf16 copy (half the bytes); an op saving the tensor whose copy was just made, unchanged,
-// shares that copy (the output projection after causal_attention). Other
-// activations are rounded while the product packs them, with no pass of their own.
+// shares that copy (the output projection after causal_attention). Other activations are rounded
+// while the product packs them, with no pass of their own.
 //
 // Differences from PyTorch: the products' outputs are float32 (PyTorch returns bfloat16 tensors
 // and casts them back at the next float32 op: the same values once rounded, but tapegrad keeps the
