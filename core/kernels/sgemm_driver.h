@@ -168,10 +168,25 @@ struct Driver {
         continue;
       }
       float* d = Ap + p * kc * MR;
-      for (int i = 0; i < MR; ++i) {
-        const float* s = A + (p * MR + i) * lda;
-        for (i64 k = 0; k < kc; ++k) d[k * MR + i] = s[k];
-      }
+      const float* s = A + p * MR * lda;
+      // Eight k at a time, eight rows at a time: an 8 x 8 block read as rows, transposed in
+      // registers, written as eight runs of (up to) eight floats of the panel's k rows.
+      i64 k = 0;
+      for (; k + 8 <= kc; k += 8)
+        for (int g = 0; g < MR; g += 8) {
+          const int n = std::min(8, MR - g);
+          __m256 r[8];
+          for (int i = 0; i < 8; ++i) r[i] = i < n ? _mm256_loadu_ps(s + (g + i) * lda + k) : _mm256_setzero_ps();
+          transpose8(r);
+          if (n == 8) {
+            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(d + (k + j) * MR + g, r[j]);
+          } else {
+            const __m256i first_n = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            for (int j = 0; j < 8; ++j) _mm256_maskstore_ps(d + (k + j) * MR + g, first_n, r[j]);
+          }
+        }
+      for (; k < kc; ++k)
+        for (int i = 0; i < MR; ++i) d[k * MR + i] = s[i * lda + k];
     }
   }
 
