@@ -148,7 +148,7 @@ struct Driver {
   // AVX-512 tile in one set, and each k step then misses in L1. Such rows are packed instead
   // (pack_a_rows): the same values in the same order, so the same bits. Fewer rows per set are read
   // in place, where packing costs more than the misses it saves (docs/matmul.md, measured in
-  // docs/performance.md).
+  // docs/performance.md). Only a tile of more than 8 rows (the AVX-512 one) can crowd a set so.
   static bool rows_crowd_l1(i64 lda) {
     int in_set[64] = {};
     for (int i = 0; i < MR; ++i)
