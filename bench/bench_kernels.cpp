@@ -28,6 +28,7 @@
 //                                bf16 is the same products through kernels::gemm_bf16 (float32 operands
 //                                rounded while packed, float32 sums), where the CPU has AVX512_BF16.
 //                                large_*: the same twelve products at the GPT-2-small shape (n_embd 768).
+//                                blocks_*: a resident block, and C of 2048 x 3072 with K = 256 and 768.
 //   peak/<kind>                  the team's multiply-add peak: fma_avx2, fma_avx512, dpbf16, amx_bf16 (peak.cpp);
 //                                scripts/bench prints each gemm_isa product as a fraction of its peak.
 //   attention/<shape>/<pass>     one layer's causal attention through the tiled kernels
@@ -469,6 +470,11 @@ void register_medium_products() {
       {"large_fc_fwd", false, true, 2048, 3072, 768},    {"large_fc_dx", false, false, 2048, 768, 3072},
       {"large_fc_dw", true, false, 3072, 768, 2048},     {"large_fc_out_fwd", false, true, 2048, 768, 3072},
       {"large_fc_out_dx", false, false, 2048, 3072, 768}, {"large_fc_out_dw", true, false, 768, 3072, 2048},
+      // Where a product loses its peak (docs/performance.md): one row block by one column panel
+      // of B, both resident in cache; then a 2048 x 3072 C with one K block, and with three (each
+      // block after the first reads C back).
+      {"blocks_resident", false, false, 140, 32, 256}, {"blocks_k256", false, false, 2048, 3072, 256},
+      {"blocks_k768", false, false, 2048, 3072, 768},
   };
   using tg::kernels::Isa;
   for (Isa level : {Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx_bf16})

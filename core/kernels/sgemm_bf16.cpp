@@ -4,8 +4,8 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cassert>
 #include <atomic>
+#include <cassert>
 #include <cfloat>
 #include <cmath>
 #include <cstdlib>
