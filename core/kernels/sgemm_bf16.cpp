@@ -33,8 +33,12 @@ using u16 = std::uint16_t;
 
 constexpr int kMR = 6;           // rows of C per kernel call
 constexpr int kNR = 64;          // columns of C per kernel call: four zmm of 16 floats
-constexpr i64 kKC = 256;         // K per block (even): a panel of B is 128 pairs x 64 x 4 bytes = 32 KB
-constexpr i64 kMC = 192;         // rows of C per block: 192 x 256 bf16 of A = 96 KB, a share of L2
+// K per block (even). Every K block after the first reads C back and writes it again, and at
+// vdpbf16ps's rate that traffic costs more than a panel of B outside L1 (up to 768 pairs x 64 x
+// 4 bytes = 192 KB, streamed from L2 in order): so long blocks, one for K <= 1536, as the
+// transformer's widths give (docs/matmul.md).
+constexpr i64 kKC = 1536;
+constexpr i64 kMC = 192;         // rows of C per block: 192 x 1536 bf16 of A = 576 KB, with a panel of B in L2
 constexpr i64 kRowsMax = kMC;    // no block of rows is larger (pack_a_trans's row buffer)
 
 // Blocks of about equal size, at most `most` each, rounded up to a multiple of `unit`.

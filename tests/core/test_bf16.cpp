@@ -264,11 +264,11 @@ void check_against_references(Problem& p, const std::vector<float>& C) {
 }  // namespace
 
 TEST_CASE("bf16 product within the bf16 error bound of float64 references, every edge and transpose", "[bf16]") {
-  // Edges of the 6 x 64 tile (M, N around 6 and 64), of a block of rows (192) and of K blocks (256,
-  // in pairs: odd K pads one half pair).
-  const std::tuple<i64, i64, i64> shapes[] = {{1, 1, 1},    {6, 64, 2},    {5, 63, 3},    {7, 65, 4},
-                                              {13, 129, 17}, {12, 128, 255}, {25, 70, 256}, {31, 97, 257},
-                                              {193, 66, 9},  {200, 40, 513}, {3, 200, 600}};
+  // Edges of the 6 x 64 tile (M, N around 6 and 64), of a block of rows (192) and of K blocks (at
+  // most 1536, in pairs: odd K pads one half pair; 3075 makes three blocks of 1026, the last short).
+  const std::tuple<i64, i64, i64> shapes[] = {{1, 1, 1},      {6, 64, 2},    {5, 63, 3},     {7, 65, 4},
+                                              {13, 129, 17},  {12, 65, 1535}, {7, 70, 1536},  {9, 66, 1537},
+                                              {193, 66, 9},   {200, 40, 513}, {3, 200, 600},  {8, 70, 3075}};
   std::mt19937 g(21);
   each_path([&](bool) {
     for (auto [M, N, K] : shapes)
@@ -331,7 +331,8 @@ TEST_CASE("bf16 product: the emulated path gives vdpbf16ps's bits", "[bf16]") {
     return;
   }
   std::mt19937 g(8);
-  const std::tuple<i64, i64, i64> shapes[] = {{7, 65, 33}, {13, 70, 300}, {6, 64, 2}, {24, 128, 257}, {50, 200, 9}};
+  const std::tuple<i64, i64, i64> shapes[] = {{7, 65, 33}, {13, 70, 300}, {6, 64, 2}, {24, 128, 257}, {50, 200, 9},
+                                              {7, 66, 1601}};  // the last: two K blocks
   for (int hard = 0; hard < 2; ++hard)
     for (auto [M, N, K] : shapes)
       for (bool ta : {false, true})
@@ -369,7 +370,8 @@ TEST_CASE("bf16 product: the same bits for 1, 2 and 3 threads, alone or as a pai
   each_path([&](bool native) {
     const i64 big = native ? 1 : 0;  // the emulated path is slow: smaller shapes, still shared (2^21 multiply-adds)
     Problem p = make_problem(g, false, true, 150 + 250 * big, 130 + 200 * big, 300, 1.0f, 0.5f);
-    Problem q = make_problem(g, true, false, 130 + 200 * big, 70 + 100 * big, 300 + 100 * big, 2.0f, 0.0f);
+    // q's K makes two K blocks on the native paths
+    Problem q = make_problem(g, true, false, 130 + 200 * big, 70 + 100 * big, 300 + 1500 * big, 2.0f, 0.0f);
     std::vector<float> p1, q1;
     for (int threads : {1, 2, 3}) {
       omp_set_num_threads(threads);
