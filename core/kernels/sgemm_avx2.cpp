@@ -17,9 +17,12 @@ using i64 = std::int64_t;
 struct Tile {
   static constexpr int MR = 6;      // rows of C per kernel call
   static constexpr int NR = 16;     // columns of C per kernel call (two ymm)
-  static constexpr i64 KC = 256;    // K per block: a 16-column panel of B is kc x 64 bytes = 16 KB, half of L1
-  static constexpr i64 MC = 144;    // rows of C per block: 144 x 256 floats of A = 144 KB, a share of L2
-  static constexpr i64 NC = 2048;   // columns of B packed at once: 2 MB at kc = 256
+  // K per block, as the AVX-512 tile's (the same K blocks give the same bits): a 16-column panel
+  // of B is kc x 64 bytes = 48 KB, streamed from L2 in order; fewer, longer blocks read and write
+  // C fewer times (docs/matmul.md)
+  static constexpr i64 KC = 768;
+  static constexpr i64 MC = 144;    // rows of C per block: 144 x 768 floats of A = 432 KB, a share of L2
+  static constexpr i64 NC = 2048;   // columns of B packed at once: 6 MB at kc = 768
 
   // The 6 x 16 tile C[0..mv) x [0..nv) = alpha * sum_k a(i, k) b(k, j) + beta * C, over k < kc.
   // b(k, j) = Bp[k * 16 + j] (a packed, 32-byte aligned panel). ROWS: a(i, k) = A[i * lda + k]

@@ -133,12 +133,12 @@ TEST_CASE("gemm split across threads (by rows or by columns) matches the naive r
 
 TEST_CASE("float32 gemm on one thread matches the naive reference at every tile, block and panel edge") {
   // On AVX2 and AVX-512 CPUs this is our own product (kernels/sgemm_driver.h): tiles of C of 6 x 16
-  // (avx2) or 14 x 32 (avx512), K in blocks of at most 256, rows of C in blocks of at most 144 (avx2)
+  // (avx2) or 14 x 32 (avx512), K in blocks of at most 768, rows of C in blocks of at most 144 (avx2)
   // or 140 (avx512), B packed 2048 columns at a time in panels of 16 or 32, B^T transposed 8 x 8 in
   // registers, A^T packed in panels of 6 or 14. The sizes put a ragged tile, block or panel at every
   // one of those edges (M = 151: two row blocks, the second ending in a 1-row tile (avx2: 78 + 73)
   // or an 11-row one (avx512: 84 + 67); M = 295: three, the last ending in a 1-row tile on both;
-  // N = 17 and 65: a panel of 1 or 17 columns; K = 257: blocks of 132 and 125, not multiples of the
+  // N = 17 and 65: a panel of 1 or 17 columns; K = 769: blocks of 388 and 381, not multiples of the
   // 8-wide transpose; N = 2100: two packs of B), and whole tiles only (12 x 32, 28 x 64), with padded
   // leading dimensions whose extra columns must keep their values.
   each_isa(kProducts, [&](kernels::Isa) {
@@ -152,7 +152,7 @@ TEST_CASE("float32 gemm on one thread matches the naive reference at every tile,
     std::vector<Size> sizes;
     for (int M : {1, 13, 151})
       for (int N : {1, 17, 65})
-        for (int K : {1, 9, 257, 600}) sizes.push_back({M, N, K});
+        for (int K : {1, 9, 257, 769}) sizes.push_back({M, N, K});
     sizes.push_back({7, 2100, 3});
     sizes.push_back({295, 65, 300});
     sizes.push_back({12, 32, 16});  // whole tiles only (avx2)
@@ -178,11 +178,11 @@ TEST_CASE("float32 gemm on one thread matches the naive reference at every tile,
             // float sums of K products of N(0, 1) numbers: a few float roundings of a sum ~ sqrt(K)
             CHECK(max_abs_diff(C.to(float64), want) < 1e-5 * (K + 1));
           }
-    // A NaN in op(A)'s row 4 at k = 130 (second K block) turns that row of C to NaN and no other.
+    // A NaN in op(A)'s row 4 at k = 400 (second K block) turns that row of C to NaN and no other.
     for (bool ta : {false, true}) {
-      const int M = 13, N = 20, K = 257;
+      const int M = 13, N = 20, K = 769;
       Tensor A = randn(ta ? Shape{K, M} : Shape{M, K}, float32, &g), B = randn({K, N}, float32, &g);
-      A.data<float>()[ta ? 130 * M + 4 : 4 * K + 130] = nan;
+      A.data<float>()[ta ? 400 * M + 4 : 4 * K + 400] = nan;
       Tensor C = zeros({M, N}, float32);
       kernels::gemm<float>(ta, false, M, N, K, 1.0f, A.data<float>(), ta ? M : K, B.data<float>(), N, 0.0f,
                            C.data<float>(), N);
@@ -300,7 +300,7 @@ TEST_CASE("the AVX2 and AVX-512 products give the same bits") {
   for (int threads : {1, 2})
     for (bool ta : {false, true})
       for (bool tb : {false, true})
-        for (auto [M, N, K] : {std::tuple<int, int, int>{151, 65, 600}, {300, 200, 130}, {29, 33, 257}, {300, 64, 300}})
+        for (auto [M, N, K] : {std::tuple<int, int, int>{151, 65, 1600}, {300, 200, 130}, {29, 33, 257}, {300, 64, 300}})
           for (float beta : {0.0f, 0.5f}) {
             set_num_threads(threads);
             Tensor A = randn(ta ? Shape{K, M} : Shape{M, K}, float32, &g);
