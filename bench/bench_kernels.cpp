@@ -471,8 +471,7 @@ void register_medium_products() {
       {"large_fc_dw", true, false, 3072, 768, 2048},     {"large_fc_out_fwd", false, true, 2048, 768, 3072},
       {"large_fc_out_dx", false, false, 2048, 3072, 768}, {"large_fc_out_dw", true, false, 768, 3072, 2048},
       // Where a product loses its peak (docs/performance.md): one row block by one column panel
-      // of B, both resident in cache; then a 2048 x 3072 C with one K block, and with three (each
-      // block after the first reads C back).
+      // of B, both resident in cache; then a 2048 x 3072 C at K = 256 and at K = 768.
       {"blocks_resident", false, false, 140, 32, 256}, {"blocks_k256", false, false, 2048, 3072, 256},
       {"blocks_k768", false, false, 2048, 3072, 768},
   };

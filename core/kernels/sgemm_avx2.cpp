@@ -18,10 +18,10 @@ struct Tile {
   static constexpr int MR = 6;      // rows of C per kernel call
   static constexpr int NR = 16;     // columns of C per kernel call (two ymm)
   // K per block, as the AVX-512 tile's (the same K blocks give the same bits): a 16-column panel
-  // of B is kc x 64 bytes = 48 KB, streamed from L2 in order; fewer, longer blocks read and write
-  // C fewer times (docs/matmul.md)
+  // of B is kc x 64 bytes, 48 KB at kc = 768, streamed from L2 in order; fewer, longer blocks read
+  // and write C fewer times (docs/matmul.md)
   static constexpr i64 KC = 768;
-  static constexpr i64 MC = 144;    // rows of C per block: 144 x 768 floats of A = 432 KB, a share of L2
+  static constexpr i64 MC = 144;    // rows of C per block: 144 x 768 floats of A = 432 KB, under half a 1 MB L2
   static constexpr i64 NC = 2048;   // columns of B packed at once: 6 MB at kc = 768
 
   // The 6 x 16 tile C[0..mv) x [0..nv) = alpha * sum_k a(i, k) b(k, j) + beta * C, over k < kc.

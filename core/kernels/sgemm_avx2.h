@@ -14,9 +14,9 @@
 // van de Geijn, "Anatomy of high-performance matrix multiplication", ACM TOMS 2008; Van Zee and
 // van de Geijn, "BLIS", ACM TOMS 2015), cut to what these shapes need:
 //
-//   for each block of kc <= 256 of K:        pack op(B)'s kc x N rows into panels of 16 columns
+//   for each block of kc <= 768 of K:        pack op(B)'s kc x N rows into panels of 16 columns
 //     for each block of mc <= 144 rows of C:   (pack op(A) only when it is A^T, see below)
-//       for each panel of 16 columns:          its kc x 16 panel of B (16 KB) stays in L1
+//       for each panel of 16 columns:          its kc x 16 panel of B (48 KB at kc = 768), from L2
 //         for each 6 rows of C:                6 x 16 tile = kernel: kc steps of 2 loads of B,
 //                                              6 broadcasts of A, 12 FMAs into 12 registers
 //

@@ -18,7 +18,7 @@ struct Tile {
   static constexpr int MR = 14;     // rows of C per kernel call
   static constexpr int NR = 32;     // columns of C per kernel call (two zmm)
   static constexpr i64 KC = 768;    // K per block, as the AVX2 tile's: a panel of B is kc x 128 bytes = 96 KB
-  static constexpr i64 MC = 140;    // rows of C per block: 140 x 768 floats of A = 420 KB, a share of L2
+  static constexpr i64 MC = 140;    // rows of C per block: 140 x 768 floats of A = 420 KB, under half a 1 MB L2
   static constexpr i64 NC = 2048;   // columns of B packed at once: 6 MB at kc = 768
 
   // The MR x 32 tile C[0..mv) x [0..nv) = alpha * sum_k a(i, k) b(k, j) + beta * C, over k < kc

@@ -10,8 +10,8 @@
 //   not by the loads, and 28 independent accumulators cover the FMA latency (4 cycles x 2 pipes
 //   needs 8) several times over. (12 x 32 and 8 x 32 fit too; with fewer rows, each k step's loads
 //   of B serve fewer FMAs.)
-// - A 32-column panel of B is kc x 128 bytes: 32 KB at kc = 256, two thirds of a 48 KB L1.
-// - K blocks are as the AVX2 product's (kc <= 256, the same cut of K), and every element of C is
+// - A 32-column panel of B is kc x 128 bytes: 96 KB at kc = 768, streamed from L2 in order.
+// - K blocks are as the AVX2 product's (kc <= 768, the same cut of K), and every element of C is
 //   one chain of FMAs over k in order in each, so the two products give the same bits.
 //
 // Compiled for AVX-512F whatever the build's -march (sgemm_driver.h says how), on compilers that

@@ -35,8 +35,8 @@ constexpr int kMR = 6;           // rows of C per kernel call
 constexpr int kNR = 64;          // columns of C per kernel call: four zmm of 16 floats
 // K per block (even). Every K block after the first reads C back and writes it again, and at
 // vdpbf16ps's rate that traffic costs more than a panel of B outside L1 (up to 768 pairs x 64 x
-// 4 bytes = 192 KB, streamed from L2 in order): so long blocks, one for K <= 1536, as the
-// transformer's widths give (docs/matmul.md).
+// 4 bytes = 192 KB, streamed from L2 in order): so long blocks, one for each K <= 1536 (the
+// transformer's 384, 768 and 1536 at widths 384 and 768; docs/matmul.md).
 constexpr i64 kKC = 1536;
 constexpr i64 kMC = 192;         // rows of C per block: 192 x 1536 bf16 of A = 576 KB, with a panel of B in L2
 constexpr i64 kRowsMax = kMC;    // no block of rows is larger (pack_a_trans's row buffer)
@@ -334,35 +334,32 @@ inline void transpose16(__m512i r[16]) {
 
 // pack_b_panel's words with tb, vectorised (without tb the compiler vectorises the loop above).
 // A row of B is a column of the panel, and its bf16 row already holds the column's words in order
-// (pair p is elements 2p and 2p + 1): sixteen rows are rounded, and their 16 x 16 blocks of words
-// transposed into the panel.
+// (pair p is elements 2p and 2p + 1): sixteen rows are rounded, 128 pairs at a time, and their
+// 16 x 16 blocks of words transposed into the panel.
 template <class T>
 void pack_b_trans_native(const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* Bp) {
   const i64 pairs = (kc + 1) / 2;
-  static_assert(kKC / 2 % 16 == 0, "a row's pairs round up to 16 within kKC / 2 words");
   assert(kc <= kKC);
-  constexpr i64 kWords = kKC / 2;  // a row's words
+  constexpr i64 kWords = 128;  // pairs per chunk: 16 rows x 128 words = 8 KB of stack
   alignas(64) u32 w[16][kWords];
-  const i64 pairs16 = round_up(pairs, 16);
-  for (i64 j0 = 0; j0 < kNR; j0 += 16) {
-    for (i64 i = 0; i < 16; ++i) {
-      auto* row = reinterpret_cast<bf16*>(w[i]);
-      const i64 j = j0 + i;
-      if (j < nc) {
-        row_bf16(B + (n0 + j) * ld + k0, row, kc);
-        std::fill(row + kc, row + 2 * pairs16, bf16{0});
-      } else {
-        std::fill(row, row + 2 * pairs16, bf16{0});
+  for (i64 j0 = 0; j0 < kNR; j0 += 16)
+    for (i64 c0 = 0; c0 < pairs; c0 += kWords) {
+      const i64 cw = std::min(kWords, pairs - c0), kn = std::min(2 * kWords, kc - 2 * c0);  // pairs, k here
+      for (i64 i = 0; i < 16; ++i) {
+        auto* row = reinterpret_cast<bf16*>(w[i]);
+        const i64 j = j0 + i;
+        const i64 done = j < nc ? kn : 0;
+        if (done) row_bf16(B + (n0 + j) * ld + k0 + 2 * c0, row, kn);
+        std::fill(row + done, row + 2 * round_up(cw, 16), bf16{0});
+      }
+      for (i64 p0 = 0; p0 < cw; p0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(w[i] + p0);
+        transpose16(r);
+        const i64 q1 = std::min<i64>(16, cw - p0);
+        for (i64 q = 0; q < q1; ++q) _mm512_store_si512(Bp + (c0 + p0 + q) * kNR + j0, r[q]);
       }
     }
-    for (i64 p0 = 0; p0 < pairs; p0 += 16) {
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(w[i] + p0);
-      transpose16(r);
-      const i64 q1 = std::min<i64>(16, pairs - p0);
-      for (i64 q = 0; q < q1; ++q) _mm512_store_si512(Bp + (p0 + q) * kNR + j0, r[q]);
-    }
-  }
 }
 
 #pragma GCC pop_options
@@ -376,6 +373,7 @@ enum class Path { emulated, dpbf16, amx };
 
 constexpr i64 kAmxK = 32;   // k per row of an A tile: 32 bf16 = 64 bytes, 16 pairs of a B tile
 constexpr i64 kAmxM = 32;   // rows of C per kernel call: two tiles of 16 rows
+static_assert(kKC % kAmxK == 0, "AMX's K blocks, rounded up to whole chunks, stay within kKC");
 
 #ifdef TG_BF16_X86
 #pragma GCC push_options

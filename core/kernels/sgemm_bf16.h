@@ -8,7 +8,7 @@
 // and an activation consumed as it is), or already bf16. C is float32.
 //
 // What it computes, exactly. Each operand is rounded to bf16 (bf16.h), and a bf16 operand that is
-// subnormal reads as a zero of its sign. Then, for each K block of kc <= 256 (sizes fixed by K
+// subnormal reads as a zero of its sign. Then, for each K block of kc <= 1536 (sizes fixed by K
 // alone), every element is summed from 0 over k in pairs, as the AVX512_BF16 instruction
 // vdpbf16ps does (Intel SDM, VDPBF16PS):
 //

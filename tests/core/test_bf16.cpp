@@ -250,6 +250,7 @@ void check_against_references(Problem& p, const std::vector<float>& C) {
       const double got = C[m * p.ldc + n], want_bf = ref[m * p.ldc + n];
       const double want = p.alpha * exact + p.beta * c0;
       const double u = std::ldexp(1.0, -24), scale = std::fabs(p.alpha) * abs_sum_bf + std::fabs(p.beta * c0);
+      // K / 256 + 2 bounds the number of K blocks for blocks of 256 or more
       const double tight = (p.K + p.K / 256 + 5) * u * scale + u * std::fabs(want_bf) + 1e-30;
       const double loose = (std::ldexp(1.0, -7) + std::ldexp(1.0, -16)) * std::fabs(p.alpha) * abs_sum + tight;
       INFO("C(" << m << ", " << n << ") = " << got << ", bf16 reference " << want_bf << ", exact " << want);
@@ -265,7 +266,8 @@ void check_against_references(Problem& p, const std::vector<float>& C) {
 
 TEST_CASE("bf16 product within the bf16 error bound of float64 references, every edge and transpose", "[bf16]") {
   // Edges of the 6 x 64 tile (M, N around 6 and 64), of a block of rows (192) and of K blocks (at
-  // most 1536, in pairs: odd K pads one half pair; 3075 makes three blocks of 1026, the last short).
+  // most 1536, in pairs: odd K pads one half pair; 3075 makes blocks of 1026, 1026 and 1023, or
+  // 1056, 1056 and 963 on AMX).
   const std::tuple<i64, i64, i64> shapes[] = {{1, 1, 1},      {6, 64, 2},    {5, 63, 3},     {7, 65, 4},
                                               {13, 129, 17},  {12, 65, 1535}, {7, 70, 1536},  {9, 66, 1537},
                                               {193, 66, 9},   {200, 40, 513}, {3, 200, 600},  {8, 70, 3075}};

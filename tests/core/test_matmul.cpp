@@ -252,7 +252,7 @@ TEST_CASE("A's rows read in place or packed because their stride crowds L1's set
     const int before = get_num_threads();
     Generator g(48);
     for (int threads : {1, 2})
-      for (auto [M, N, K] : {std::tuple<int, int, int>{151, 65, 300}, {29, 33, 257}, {200, 70, 200}})
+      for (auto [M, N, K] : {std::tuple<int, int, int>{151, 65, 300}, {29, 33, 257}, {200, 70, 200}, {30, 40, 800}})
         for (bool tb : {false, true}) {
           set_num_threads(threads);
           const int wide = 1024;
@@ -378,15 +378,15 @@ TEST_CASE("the float32 product's fallback without packing buffers matches the na
 TEST_CASE("gemm_tri skips a zero triangle of op(A) or an unneeded triangle of C and matches gemm where it counts") {
   // Causal attention's products (kernels/attention.h): S = q k^T and dP = dY v^T need only C's lower
   // triangle (lower_c); P v and dS k have op(A) zero above the diagonal (lower_a); P^T dY and
-  // dS^T q have it zero below (upper_a). T = 300 takes K past one 256-deep block, so a tile's
-  // triangle ends inside the second block; 13 and 70 leave ragged tiles on the diagonal. (Builds
+  // dS^T q have it zero below (upper_a). T = 800 takes K past one 768-deep block (two of 400),
+  // so a tile's triangle ends inside the second block; 13 and 70 leave ragged tiles on the diagonal. (Builds
   // without the AVX2 kernel make the whole product, so there the two calls agree trivially.)
   each_isa(kProducts, [&](kernels::Isa) {
     using kernels::Tri;
     const int before = get_num_threads();
     set_num_threads(1);
     Generator g(45);
-    for (int Tn : {1, 13, 64, 70, 300})
+    for (int Tn : {1, 13, 64, 70, 300, 800})
       for (int hs : {8, 32})
         for (float beta : {0.0f, 1.0f}) {
           INFO("T=" << Tn << " hs=" << hs << " beta=" << beta);
