@@ -334,13 +334,13 @@ inline void transpose16(__m512i r[16]) {
 
 // pack_b_panel's words with tb, vectorised (without tb the compiler vectorises the loop above).
 // A row of B is a column of the panel, and its bf16 row already holds the column's words in order
-// (pair p is elements 2p and 2p + 1): sixteen rows are rounded, 128 pairs at a time, and their
+// (pair p is elements 2p and 2p + 1): sixteen rows are rounded, 384 pairs at a time, and their
 // 16 x 16 blocks of words transposed into the panel.
 template <class T>
 void pack_b_trans_native(const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* Bp) {
   const i64 pairs = (kc + 1) / 2;
   assert(kc <= kKC);
-  constexpr i64 kWords = 128;  // pairs per chunk: 16 rows x 128 words = 8 KB of stack
+  constexpr i64 kWords = 384;  // pairs per chunk: 16 rows x 384 words = 24 KB of stack
   alignas(64) u32 w[16][kWords];
   for (i64 j0 = 0; j0 < kNR; j0 += 16)
     for (i64 c0 = 0; c0 < pairs; c0 += kWords) {
