@@ -344,13 +344,13 @@ void pack_b_trans_native(const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32
   alignas(64) u32 w[16][kWords];
   for (i64 j0 = 0; j0 < kNR; j0 += 16)
     for (i64 c0 = 0; c0 < pairs; c0 += kWords) {
-      const i64 cw = std::min(kWords, pairs - c0), kn = std::min(2 * kWords, kc - 2 * c0);  // pairs, k here
+      // This chunk's pairs [c0, c0 + cw) are k in [2 c0, 2 c0 + kn); rows past nc are zero.
+      const i64 cw = std::min(kWords, pairs - c0), kn = std::min(2 * kWords, kc - 2 * c0);
       for (i64 i = 0; i < 16; ++i) {
         auto* row = reinterpret_cast<bf16*>(w[i]);
-        const i64 j = j0 + i;
-        const i64 done = j < nc ? kn : 0;
-        if (done) row_bf16(B + (n0 + j) * ld + k0 + 2 * c0, row, kn);
-        std::fill(row + done, row + 2 * round_up(cw, 16), bf16{0});
+        const i64 j = j0 + i, values = j < nc ? kn : 0;
+        if (values) row_bf16(B + (n0 + j) * ld + k0 + 2 * c0, row, values);
+        std::fill(row + values, row + 2 * round_up(cw, 16), bf16{0});
       }
       for (i64 p0 = 0; p0 < cw; p0 += 16) {
         __m512i r[16];
