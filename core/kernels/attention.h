@@ -45,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/attention_dpbf16.h"
 #include "kernels/bf16.h"
 #include "kernels/fastmath.h"
 #include "kernels/gemm.h"  // Tri
@@ -249,13 +250,18 @@ void transpose_tile(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, s
 
 // One thread's forward buffers: s (Br, Bc): S then P; kt (hs, Bc): the key tile's k transposed;
 // q, v (Br, hs): bf16-rounded copies (bf16 only); m, alpha, l (Br): the rows' running statistics.
+// With vdpbf16ps (native): qw (Br, ceil(hs / 2)), kw (ceil(hs / 2), Bc), pw (Br, Bc / 2) and
+// vw (Bc / 2, hs), the products' operands as words (attention_dpbf16.h), in place of kt, q and v.
 template <class T>
 struct FlashFwdScratch {
+  bool native;
   std::vector<T> s, kt, q, v, m, alpha;
   std::vector<double> l;
-  FlashFwdScratch(std::int64_t hs, bool bf16)
-      : s(kAttnTile * kAttnTile), kt(hs * kAttnTile), q(bf16 ? kAttnTile * hs : 0), v(q.size()), m(kAttnTile),
-        alpha(kAttnTile), l(kAttnTile) {}
+  std::vector<std::uint32_t> qw, kw, pw, vw;
+  FlashFwdScratch(std::int64_t hs, bool bf16, bool nat)
+      : native(nat), s(kAttnTile * kAttnTile), kt(nat ? 0 : hs * kAttnTile), q(bf16 && !nat ? kAttnTile * hs : 0),
+        v(q.size()), m(kAttnTile), alpha(kAttnTile), l(kAttnTile), qw(nat ? kAttnTile * ((hs + 1) / 2) : 0),
+        kw(qw.size()), pw(nat ? kAttnTile * kAttnTile / 2 : 0), vw(nat ? kAttnTile / 2 * hs : 0) {}
 };
 
 // One row of one key tile in the online softmax: s (n valid of bc) holds q_i . k_j on entry and
@@ -281,24 +287,45 @@ void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int6
   const T* head = qkv + b * Tn * ld + h * hs;  // q of row 0; k at + C, v at + 2C
   T* o = y + (b * Tn + r0) * C + h * hs;
   const T sc = static_cast<T>(d.scale);
-  const TileOperand<T> q = tile_operand(d.bf16, head + r0 * ld, ld, br, hs, w.q.data());
+  const std::int64_t hp = (hs + 1) / 2;  // words of a head's row (native)
+  TileOperand<T> q{};
+  if constexpr (std::is_same_v<T, float>)
+    if (w.native) words_along_rows(head + r0 * ld, ld, br, hs, w.qw.data(), hp);
+  if (!w.native) q = tile_operand(d.bf16, head + r0 * ld, ld, br, hs, w.q.data());
   const std::int64_t kend = d.causal ? r0 + br : Tn;
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<T>::infinity());
   std::fill(w.l.begin(), w.l.end(), 0.0);
   for (std::int64_t c0 = 0; c0 < kend; c0 += kAttnTile) {
     const std::int64_t bc = std::min(kAttnTile, kend - c0);
     const bool diag = d.causal && c0 == r0;  // the tile the mask cuts: br = bc there
-    transpose_tile(d.bf16, head + C + c0 * ld, ld, bc, hs, w.kt.data());
-    const TileOperand<T> v = tile_operand(d.bf16, head + 2 * C + c0 * ld, ld, bc, hs, w.v.data());
     T* s = w.s.data();
-    tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {q.p, q.ld, 1}, w.kt.data(), kAttnTile, s, kAttnTile,
-                    false);  // S = q k^T
+    TileOperand<T> v{};
+    if constexpr (std::is_same_v<T, float>)
+      if (w.native) {  // S = q k^T, on vdpbf16ps
+        words_along_rows_t(head + C + c0 * ld, ld, bc, hs, w.kw.data(), kAttnTile);
+        tile_product_dpbf16(diag ? Tri::lower_c : Tri::none, br, bc, hs, w.qw.data(), hp, 1, w.kw.data(), kAttnTile,
+                            s, kAttnTile, false);
+      }
+    if (!w.native) {
+      transpose_tile(d.bf16, head + C + c0 * ld, ld, bc, hs, w.kt.data());
+      v = tile_operand(d.bf16, head + 2 * C + c0 * ld, ld, bc, hs, w.v.data());
+      tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {q.p, q.ld, 1}, w.kt.data(), kAttnTile, s,
+                      kAttnTile, false);  // S = q k^T
+    }
     for (std::int64_t r = 0; r < br; ++r)
       online_softmax_row(s + r * kAttnTile, attn_valid(d, r0 + r, c0, bc), bc, sc, w.m[r], w.l[r], w.alpha[r]);
     if (c0 > 0)
       for (std::int64_t r = 0; r < br; ++r)
         if (w.alpha[r] != T(1))
           for (std::int64_t e = 0; e < hs; ++e) o[r * C + e] *= w.alpha[r];
+    if constexpr (std::is_same_v<T, float>)
+      if (w.native) {  // o = o alpha + P v, on vdpbf16ps
+        words_along_rows(s, kAttnTile, br, bc, w.pw.data(), kAttnTile / 2);
+        words_down_cols(head + 2 * C + c0 * ld, ld, bc, hs, w.vw.data(), hs);
+        tile_product_dpbf16(diag ? Tri::lower_a : Tri::none, br, hs, bc, w.pw.data(), kAttnTile / 2, 1, w.vw.data(),
+                            hs, o, C, c0 > 0);
+        continue;
+      }
     if (d.bf16) round_bf16_block(s, kAttnTile, br, bc, s, kAttnTile);
     tile_product<T>(diag ? Tri::lower_a : Tri::none, br, hs, bc, {s, kAttnTile, 1}, v.p, v.ld, o, C,
                     c0 > 0);  // o = o alpha + P v
@@ -323,8 +350,9 @@ void flash_attention_forward(const T* qkv, T* y, T* lse, const AttnDims& d) {
     }
     return;
   }
+  const bool native = d.bf16 && attention_dpbf16();
   parallel_for(items, d.B * d.H * d.Tn * d.Tn * hs, [&](std::int64_t lo, std::int64_t hi) {
-    FlashFwdScratch<T> w(hs, d.bf16);
+    FlashFwdScratch<T> w(hs, d.bf16, native);
     for (std::int64_t it = lo; it < hi; ++it) {
       const std::int64_t bh = it / tiles;
       flash_forward_tile(qkv, y, lse, d, bh / d.H, bh % d.H, it % tiles * kAttnTile, w);
@@ -337,13 +365,51 @@ void flash_attention_forward(const T* qkv, T* y, T* lse, const AttnDims& d) {
 // One thread's backward buffers: p, pb, dp (Br, Bc): P, its bf16-rounded copy (bf16 only), dP then
 // dS; kt, vt (hs, Bc): the key tile's k and v transposed; D (T): the rows' dy . y; q, k, v, g
 // (T, hs): the head's bf16-rounded operands (bf16 only).
+// With vdpbf16ps (native), the operands as words (attention_dpbf16.h) in place of pb, kt, vt, q, k,
+// v and g: qr, gr (T, ceil(hs / 2)) q's and dY's rows; qc, kc, gc (ceil(T / 2), hs) q, k and dY
+// down their columns; kw, vw (ceil(hs / 2), Bc) the key tile's k and v rows transposed; pc, sc
+// (Br / 2, Bc) P and dS down their columns, sr (Br, Bc / 2) dS along its rows.
 template <class T>
 struct FlashBwdScratch {
+  bool native;
   std::vector<T> p, pb, dp, kt, vt, D, q, k, v, g;
-  FlashBwdScratch(std::int64_t Tn, std::int64_t hs, bool bf16)
-      : p(kAttnTile * kAttnTile), pb(bf16 ? kAttnTile * kAttnTile : 0), dp(kAttnTile * kAttnTile),
-        kt(hs * kAttnTile), vt(hs * kAttnTile), D(Tn), q(bf16 ? Tn * hs : 0), k(q.size()), v(q.size()), g(q.size()) {}
+  std::vector<std::uint32_t> qr, gr, qc, kc, gc, kw, vw, pc, sc, sr;
+  FlashBwdScratch(std::int64_t Tn, std::int64_t hs, bool bf16, bool nat)
+      : native(nat), p(kAttnTile * kAttnTile), pb(bf16 && !nat ? kAttnTile * kAttnTile : 0), dp(kAttnTile * kAttnTile),
+        kt(nat ? 0 : hs * kAttnTile), vt(kt.size()), D(Tn), q(bf16 && !nat ? Tn * hs : 0), k(q.size()), v(q.size()),
+        g(q.size()), qr(nat ? Tn * ((hs + 1) / 2) : 0), gr(qr.size()), qc(nat ? (Tn + 1) / 2 * hs : 0),
+        kc(qc.size()), gc(qc.size()), kw(nat ? (hs + 1) / 2 * kAttnTile : 0), vw(kw.size()),
+        pc(nat ? kAttnTile * kAttnTile / 2 : 0), sc(pc.size()), sr(pc.size()) {}
 };
+
+// P = exp(scale S - lse) over the tile's S in p (0 where masked), rounded as in the forward.
+template <class T>
+void probabilities_tile(T* p, const T* L, const AttnDims& d, std::int64_t r0, std::int64_t c0, std::int64_t br,
+                        std::int64_t bc) {
+  const T sc = static_cast<T>(d.scale);
+  for (std::int64_t r = 0; r < br; ++r) {
+    T* pr = p + r * kAttnTile;
+    const std::int64_t n = attn_valid(d, r0 + r, c0, bc);
+    for (std::int64_t j = 0; j < n; ++j) pr[j] *= sc;  // rounded as in the forward
+    for (std::int64_t j = 0; j < n; ++j) pr[j] = fast_exp(pr[j] - L[r0 + r]);
+    for (std::int64_t j = n; j < bc; ++j) pr[j] = T(0);
+  }
+}
+
+// dS = scale P (dP - D) over the tile's dP in dp (0 where masked).
+template <class T>
+void score_grads_tile(const T* p, T* dp, const T* D, const AttnDims& d, std::int64_t r0, std::int64_t c0,
+                      std::int64_t br, std::int64_t bc) {
+  const T sc = static_cast<T>(d.scale);
+  for (std::int64_t r = 0; r < br; ++r) {
+    const T* pr = p + r * kAttnTile;
+    T* dr = dp + r * kAttnTile;
+    const T Di = D[r0 + r];
+    const std::int64_t n = attn_valid(d, r0 + r, c0, bc);
+    for (std::int64_t j = 0; j < n; ++j) dr[j] = sc * pr[j] * (dr[j] - Di);
+    for (std::int64_t j = n; j < bc; ++j) dr[j] = T(0);
+  }
+}
 
 // One (query tile r0, key tile c0) pair of one head: the five products and the softmax backward.
 // q, k, g: the head's operands from row 0 (g: dy), w.kt and w.vt the key tile's k and v
@@ -358,36 +424,49 @@ void flash_backward_pair(TileOperand<T> q, TileOperand<T> k, TileOperand<T> g, T
   // Each block of dqkv is written (=) by its first product and added to by the rest: dq_i first
   // at key tile 0, dk_j and dv_j at their key tile's first query tile.
   const bool first_i = r0 == (d.causal ? c0 : 0);
-  const T sc = static_cast<T>(d.scale);
   const T *qi = q.p + r0 * q.ld, *kj = k.p + c0 * k.ld, *gi = g.p + r0 * g.ld;
   T *p = w.p.data(), *dp = w.dp.data(), *pb = d.bf16 ? w.pb.data() : p;
   tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {qi, q.ld, 1}, w.kt.data(), kAttnTile, p, kAttnTile,
                   false);  // S = q_i k_j^T
-  for (std::int64_t r = 0; r < br; ++r) {  // P = exp(scale S - lse), 0 where masked
-    T* pr = p + r * kAttnTile;
-    const std::int64_t n = attn_valid(d, r0 + r, c0, bc);
-    for (std::int64_t j = 0; j < n; ++j) pr[j] *= sc;  // rounded as in the forward
-    for (std::int64_t j = 0; j < n; ++j) pr[j] = fast_exp(pr[j] - L[r0 + r]);
-    for (std::int64_t j = n; j < bc; ++j) pr[j] = T(0);
-  }
+  probabilities_tile(p, L, d, r0, c0, br, bc);
   if (d.bf16) round_bf16_block(p, kAttnTile, br, bc, pb, kAttnTile);
   tile_product<T>(diag ? Tri::upper_a : Tri::none, bc, hs, br, {pb, 1, kAttnTile}, gi, g.ld, dv + c0 * ld, ld,
                   !first_i);  // dv_j (+)= P^T dy_i
   tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {gi, g.ld, 1}, w.vt.data(), kAttnTile, dp, kAttnTile,
                   false);  // dP = dy_i v_j^T
-  for (std::int64_t r = 0; r < br; ++r) {  // dS = scale P (dP - D), over dP; 0 where masked
-    const T* pr = p + r * kAttnTile;
-    T* dr = dp + r * kAttnTile;
-    const T Di = w.D[static_cast<std::size_t>(r0 + r)];
-    const std::int64_t n = attn_valid(d, r0 + r, c0, bc);
-    for (std::int64_t j = 0; j < n; ++j) dr[j] = sc * pr[j] * (dr[j] - Di);
-    for (std::int64_t j = n; j < bc; ++j) dr[j] = T(0);
-  }
+  score_grads_tile(p, dp, w.D.data(), d, r0, c0, br, bc);
   if (d.bf16) round_bf16_block(dp, kAttnTile, br, bc, dp, kAttnTile);
   tile_product<T>(diag ? Tri::lower_a : Tri::none, br, hs, bc, {dp, kAttnTile, 1}, kj, k.ld, dq + r0 * ld, ld,
                   c0 > 0);  // dq_i (+)= dS k_j
   tile_product<T>(diag ? Tri::upper_a : Tri::none, bc, hs, br, {dp, 1, kAttnTile}, qi, q.ld, dk + c0 * ld, ld,
                   !first_i);  // dk_j (+)= dS^T q_i
+}
+
+// flash_backward_pair on vdpbf16ps (float32, native): the same five products and softmax
+// backward, the operands as words. w.qr, gr, qc, kc, gc hold the head's words, w.kw and w.vw the
+// key tile's; tiles start at even rows, so a tile's pairs are the head's pairs from its first row.
+inline void flash_backward_pair_dpbf16(float* dq, float* dk, float* dv, const float* L, const AttnDims& d,
+                                       std::int64_t r0, std::int64_t c0, FlashBwdScratch<float>& w) {
+  const std::int64_t hs = d.hs(), hp = (hs + 1) / 2, ld = 3 * d.C, br = std::min(kAttnTile, d.Tn - r0),
+                     bc = std::min(kAttnTile, d.Tn - c0);
+  const bool diag = d.causal && c0 == r0, first_i = r0 == (d.causal ? c0 : 0);  // as flash_backward_pair
+  float *p = w.p.data(), *dp = w.dp.data();
+  const std::uint32_t *qc = w.qc.data() + r0 / 2 * hs, *gc = w.gc.data() + r0 / 2 * hs, *kc = w.kc.data() + c0 / 2 * hs;
+  tile_product_dpbf16(diag ? Tri::lower_c : Tri::none, br, bc, hs, w.qr.data() + r0 * hp, hp, 1, w.kw.data(),
+                      kAttnTile, p, kAttnTile, false);  // S = q_i k_j^T
+  probabilities_tile(p, L, d, r0, c0, br, bc);
+  words_down_cols(p, kAttnTile, br, bc, w.pc.data(), kAttnTile);
+  tile_product_dpbf16(diag ? Tri::upper_a : Tri::none, bc, hs, br, w.pc.data(), 1, kAttnTile, gc, hs, dv + c0 * ld,
+                      ld, !first_i);  // dv_j (+)= P^T dy_i
+  tile_product_dpbf16(diag ? Tri::lower_c : Tri::none, br, bc, hs, w.gr.data() + r0 * hp, hp, 1, w.vw.data(),
+                      kAttnTile, dp, kAttnTile, false);  // dP = dy_i v_j^T
+  score_grads_tile(p, dp, w.D.data(), d, r0, c0, br, bc);
+  words_along_rows(dp, kAttnTile, br, bc, w.sr.data(), kAttnTile / 2);
+  words_down_cols(dp, kAttnTile, br, bc, w.sc.data(), kAttnTile);
+  tile_product_dpbf16(diag ? Tri::lower_a : Tri::none, br, hs, bc, w.sr.data(), kAttnTile / 2, 1, kc, hs,
+                      dq + r0 * ld, ld, c0 > 0);  // dq_i (+)= dS k_j
+  tile_product_dpbf16(diag ? Tri::upper_a : Tri::none, bc, hs, br, w.sc.data(), 1, kAttnTile, qc, hs, dk + c0 * ld,
+                      ld, !first_i);  // dk_j (+)= dS^T q_i
 }
 
 // y's element as a number: float or double, or a bf16 widened exactly.
@@ -412,12 +491,29 @@ void flash_backward_head(const Q* qkv, const Y* y, const T* lse, const T* dy, T*
     w.D[static_cast<std::size_t>(i)] = static_cast<T>(
         sum16(hs, [&](std::int64_t e) { return static_cast<double>(gy[i * C + e]) * widen(yy[i * C + e]); }));
   }
+  T* dq = dqkv + b * Tn * ld + h * hs;
+  const T* L = lse + (b * d.H + h) * Tn;
+  if constexpr (std::is_same_v<T, float>)
+    if (w.native) {  // on vdpbf16ps: the head's words, then each key tile's k and v rows transposed
+      const std::int64_t hp = (hs + 1) / 2;
+      words_along_rows(head, ld, Tn, hs, w.qr.data(), hp);
+      words_along_rows(gy, C, Tn, hs, w.gr.data(), hp);
+      words_down_cols(head, ld, Tn, hs, w.qc.data(), hs);
+      words_down_cols(head + C, ld, Tn, hs, w.kc.data(), hs);
+      words_down_cols(gy, C, Tn, hs, w.gc.data(), hs);
+      for (std::int64_t c0 = 0; c0 < Tn; c0 += kAttnTile) {
+        const std::int64_t bc = std::min(kAttnTile, Tn - c0);
+        words_along_rows_t(head + C + c0 * ld, ld, bc, hs, w.kw.data(), kAttnTile);
+        words_along_rows_t(head + 2 * C + c0 * ld, ld, bc, hs, w.vw.data(), kAttnTile);
+        for (std::int64_t r0 = d.causal ? c0 : 0; r0 < Tn; r0 += kAttnTile)
+          flash_backward_pair_dpbf16(dq, dq + C, dq + 2 * C, L, d, r0, c0, w);
+      }
+      return;
+    }
   const TileOperand<T> q = tile_operand(d.bf16, head, ld, Tn, hs, w.q.data());
   const TileOperand<T> k = tile_operand(d.bf16, head + C, ld, Tn, hs, w.k.data());
   const TileOperand<T> v = tile_operand(d.bf16, head + 2 * C, ld, Tn, hs, w.v.data());
   const TileOperand<T> g = tile_operand(d.bf16, gy, C, Tn, hs, w.g.data());
-  T* dq = dqkv + b * Tn * ld + h * hs;
-  const T* L = lse + (b * d.H + h) * Tn;
   for (std::int64_t c0 = 0; c0 < Tn; c0 += kAttnTile) {
     const std::int64_t bc = std::min(kAttnTile, Tn - c0);
     transpose_tile(false, k.p + c0 * k.ld, k.ld, bc, hs, w.kt.data());
@@ -439,8 +535,9 @@ void flash_attention_backward(const Q* qkv, const Y* y, const T* lse, const T* d
   // Every element of dqkv belongs to exactly one (b, h) and one of q, k, v, whose products write
   // it (flash_backward_pair); with hs = 0, dqkv is empty.
   if (d.hs() == 0) return;
+  const bool native = d.bf16 && attention_dpbf16();
   parallel_for(d.B * d.H, d.B * d.H * d.Tn * d.Tn * d.hs(), [&](std::int64_t lo, std::int64_t hi) {
-    FlashBwdScratch<T> w(d.Tn, d.hs(), d.bf16);
+    FlashBwdScratch<T> w(d.Tn, d.hs(), d.bf16, native);
     for (std::int64_t bh = lo; bh < hi; ++bh) flash_backward_head(qkv, y, lse, dy, dqkv, d, bh / d.H, bh % d.H, w);
   });
 }
