@@ -7,8 +7,11 @@
 #include <type_traits>
 
 #include "helpers.h"
+#include "isa_helpers.h"
 #include "kernels/attention.h"
+#include "kernels/attention_dpbf16.h"
 #include "kernels/bf16.h"
+#include "kernels/sgemm_bf16.h"
 #include "tapegrad/memory.h"
 
 using namespace tg;
@@ -199,11 +202,15 @@ TEST_CASE("tiled attention: equal scores average v, rows across tile edges") {
   }
 }
 
+// The attention's bf16 products take vdpbf16ps from isa avx512_bf16 on (attention_dpbf16.h), and
+// float32 multiply-adds of the rounded operands below it: both paths, where the CPU has them.
+const std::initializer_list<kernels::Isa> kAttnPaths = {kernels::Isa::portable, kernels::Isa::avx512_bf16};
+
 TEST_CASE("tiled attention: the same bits at 1, 2 and 3 threads") {
   const int threads = get_num_threads();
   // hs = 256 with B H = 1: tile products large enough that a product alone could be split
   for (Shape4 s : {Shape4{2, 2 * kTile + 3, 48, 2}, {3, 70, 12, 3}, {1, kTile, 256, 1}})
-    for (bool bf16 : {false, true}) {
+    for (bool bf16 : {false, true}) each_isa(kAttnPaths, [&](kernels::Isa) {
       auto [B, T, C, H] = s;
       INFO("B " << B << " T " << T << " C " << C << " H " << H << (bf16 ? " bf16" : ""));
       const auto qkv = values<float>({B, T, 3 * C}, 21), dy = values<float>({B, T, C}, 22);
@@ -216,7 +223,7 @@ TEST_CASE("tiled attention: the same bits at 1, 2 and 3 threads") {
         CHECK(many.lse == one.lse);
         CHECK(many.dqkv == one.dqkv);
       }
-    }
+    });
   set_num_threads(threads);
 }
 
@@ -375,7 +382,7 @@ double worst_ratio(const std::vector<float>& got, const std::vector<double>& exa
 
 TEST_CASE("tiled attention with bf16 operands stays within the derived bound, causal and not") {
   for (const Shape4& s : {Shape4{2, 1, 6, 2}, {1, kTile + 1, 33, 1}, {1, 2 * kTile + 3, 24, 3}})
-    for (bool causal : {true, false}) {
+    for (bool causal : {true, false}) each_isa(kAttnPaths, [&](kernels::Isa) {
       auto [B, T, C, H] = s;
       INFO("B " << B << " T " << T << " C " << C << " H " << H << (causal ? " causal" : " not causal"));
       const auto qkv = values<float>({B, T, 3 * C}, 41), dy = values<float>({B, T, C}, 42);
@@ -388,7 +395,112 @@ TEST_CASE("tiled attention with bf16 operands stays within the derived bound, ca
       CHECK(rg <= 1);
       CHECK(h.y != f.y);  // the operands are rounded: bf16 differs from float32
       CHECK(max_diff(h.lse, std::vector<double>(f.lse.begin(), f.lse.end())) < 0.1);
-    }
+    });
+}
+
+// ---- the vdpbf16ps tile products (attention_dpbf16.h) ----
+
+namespace {
+
+// (rows, cols) values of both signs, every 7th a float subnormal (a bf16 read as zero) and every
+// 11th about 2^-64 (products that flush to zero): vdpbf16ps's edges.
+std::vector<float> dp_values(std::int64_t rows, std::int64_t cols, std::uint64_t seed) {
+  auto v = values<float>({rows, cols}, seed);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] *= i % 7 == 3 ? 0x1p-130f : i % 11 == 5 ? 0x1p-64f : 1.0f;
+  return v;
+}
+
+std::vector<float> transposed(const std::vector<float>& x, std::int64_t rows, std::int64_t cols) {
+  std::vector<float> t(x.size());
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) t[static_cast<std::size_t>(c * rows + r)] = x[static_cast<std::size_t>(r * cols + c)];
+  return t;
+}
+
+std::vector<kernels::bf16> as_bf16(const std::vector<float>& x) {
+  std::vector<kernels::bf16> h(x.size());
+  kernels::to_bf16(x.data(), h.data(), static_cast<std::int64_t>(h.size()));
+  return h;
+}
+
+// Words of A (M, K) and B (K, N), made from the row-major matrix or from its transpose, from
+// floats or from their bf16 copies: each of the three word makers, both element types.
+struct DpOperands {
+  std::vector<std::uint32_t> A, B;
+  std::int64_t si, sk, ldb;
+};
+template <class T>
+DpOperands dp_operands(const std::vector<T>& a, const std::vector<T>& at, const std::vector<T>& b,
+                       const std::vector<T>& bt, std::int64_t M, std::int64_t N, std::int64_t K, bool transposed_storage) {
+  const std::int64_t ka = (K + 1) / 2;
+  DpOperands o{std::vector<std::uint32_t>(static_cast<std::size_t>(M * ka + 1)),
+               std::vector<std::uint32_t>(static_cast<std::size_t>(ka * N + 1)), 0, 0, N};
+  if (transposed_storage) {  // A from A^T (K, M) down its columns; B from B^T (N, K) along its rows
+    kernels::words_down_cols(at.data(), M, K, M, o.A.data(), M);
+    o.si = 1, o.sk = M;
+    kernels::words_along_rows_t(bt.data(), K, N, K, o.B.data(), N);
+  } else {  // A along its rows; B down its columns
+    kernels::words_along_rows(a.data(), K, M, K, o.A.data(), ka);
+    o.si = ka, o.sk = 1;
+    kernels::words_down_cols(b.data(), N, K, N, o.B.data(), N);
+  }
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("attention's vdpbf16ps tile products give gemm_bf16's bits at every tile edge") {
+  if (!kernels::cpu_has_avx512_bf16()) return;  // the path runs only where the CPU has AVX512_BF16
+  IsaScope scope(kernels::Isa::avx512_bf16);
+  for (std::int64_t M : {1, 5, 6, 7, 13, 64})
+    for (std::int64_t N : {1, 15, 16, 17, 40, 64, 65})
+      for (std::int64_t K : {1, 2, 7, 31, 64}) {
+        const auto a = dp_values(M, K, 51 + M), b = dp_values(K, N, 52 + N), c0 = dp_values(M, N, 53);
+        const auto at = transposed(a, M, K), bt = transposed(b, K, N);
+        for (bool from_bf16 : {false, true})
+          for (bool storage_t : {false, true})
+            for (bool acc : {false, true}) {
+              INFO("M " << M << " N " << N << " K " << K << (from_bf16 ? " bf16" : " float") << (storage_t ? " transposed" : "")
+                        << (acc ? " C +=" : " C ="));
+              const DpOperands o = from_bf16 ? dp_operands(as_bf16(a), as_bf16(at), as_bf16(b), as_bf16(bt), M, N, K, storage_t)
+                                             : dp_operands(a, at, b, bt, M, N, K, storage_t);
+              std::vector<float> got = c0, want = c0;
+              kernels::tile_product_dpbf16(kernels::Tri::none, M, N, K, o.A.data(), o.si, o.sk, o.B.data(), o.ldb,
+                                           got.data(), N, acc);
+              kernels::GemmBf16 g;
+              g.M = M, g.N = N, g.K = K, g.A = {a.data(), K}, g.B = {b.data(), N}, g.beta = acc ? 1.0f : 0.0f;
+              g.C = want.data(), g.ldc = N;
+              kernels::bf16_impl::gemm_bf16_single(g, false);  // the emulated path: vdpbf16ps's arithmetic
+              CHECK(got == want);
+            }
+      }
+}
+
+TEST_CASE("attention's vdpbf16ps tile products skip only what the causal masks make zero or unneeded") {
+  if (!kernels::cpu_has_avx512_bf16()) return;
+  IsaScope scope(kernels::Isa::avx512_bf16);
+  using kernels::Tri;
+  for (std::int64_t T : {1, 7, 17, 63, 64}) {
+    INFO("T " << T);
+    const std::int64_t ka = (T + 1) / 2;
+    auto full = [&](Tri tri, const std::vector<float>& a, const std::vector<float>& b) {
+      std::vector<std::uint32_t> A(static_cast<std::size_t>(T * ka)), B(static_cast<std::size_t>(ka * T));
+      kernels::words_along_rows(a.data(), T, T, T, A.data(), ka);
+      kernels::words_down_cols(b.data(), T, T, T, B.data(), T);
+      std::vector<float> c(static_cast<std::size_t>(T * T), 7.0f);
+      kernels::tile_product_dpbf16(tri, T, T, T, A.data(), ka, 1, B.data(), T, c.data(), T, false);
+      return c;
+    };
+    const auto a = dp_values(T, T, 61), b = dp_values(T, T, 62);
+    auto lower = a, upper = a;  // a(i, k) = 0 for k > i, and for k < i
+    for (std::int64_t i = 0; i < T; ++i)
+      for (std::int64_t k = 0; k < T; ++k) (k > i ? lower : upper)[static_cast<std::size_t>(i * T + k)] = k == i ? a[static_cast<std::size_t>(i * T + k)] : 0.0f;
+    CHECK(full(Tri::lower_a, lower, b) == full(Tri::none, lower, b));
+    CHECK(full(Tri::upper_a, upper, b) == full(Tri::none, upper, b));
+    const auto some = full(Tri::lower_c, a, b), all = full(Tri::none, a, b);
+    for (std::int64_t i = 0; i < T; ++i)
+      for (std::int64_t j = 0; j <= i; ++j) CHECK(some[static_cast<std::size_t>(i * T + j)] == all[static_cast<std::size_t>(i * T + j)]);
+  }
 }
 
 TEST_CASE("causal attention under autocast makes its products in bf16, forward and backward") {
