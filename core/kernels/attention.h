@@ -250,19 +250,37 @@ void transpose_tile(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, s
 
 // One thread's forward buffers: s (Br, Bc): S then P; kt (hs, Bc): the key tile's k transposed;
 // q, v (Br, hs): bf16-rounded copies (bf16 only); m, alpha, l (Br): the rows' running statistics.
-// With vdpbf16ps (native): qw (Br, ceil(hs / 2)), kw (ceil(hs / 2), Bc), pw (Br, Bc / 2) and
-// vw (Bc / 2, hs), the products' operands as words (attention_dpbf16.h), in place of kt, q and v.
+// With vdpbf16ps (native), the products' operands as words (attention_dpbf16.h) in place of kt, q
+// and v: qw (Br, ceil(hs / 2)) and pw (Br, Bc / 2) the query tile's q and P along their rows; kw
+// per key tile (ceil(hs / 2), Bc) its k rows transposed, and vw (ceil(T / 2), hs) v down its
+// columns, both for the whole of head `head` as far as key `keys`: a thread's items run a head's
+// query tiles in turn, and each reuses the key tiles the ones before it made.
 template <class T>
 struct FlashFwdScratch {
   bool native;
   std::vector<T> s, kt, q, v, m, alpha;
   std::vector<double> l;
-  std::vector<std::uint32_t> qw, kw, pw, vw;
-  FlashFwdScratch(std::int64_t hs, bool bf16, bool nat)
+  std::vector<std::uint32_t> qw, pw, kw, vw;
+  std::int64_t head = -1, keys = 0;
+  FlashFwdScratch(std::int64_t Tn, std::int64_t hs, bool bf16, bool nat)
       : native(nat), s(kAttnTile * kAttnTile), kt(nat ? 0 : hs * kAttnTile), q(bf16 && !nat ? kAttnTile * hs : 0),
         v(q.size()), m(kAttnTile), alpha(kAttnTile), l(kAttnTile), qw(nat ? kAttnTile * ((hs + 1) / 2) : 0),
-        kw(qw.size()), pw(nat ? kAttnTile * kAttnTile / 2 : 0), vw(nat ? kAttnTile / 2 * hs : 0) {}
+        pw(nat ? kAttnTile * kAttnTile / 2 : 0),
+        kw(nat ? (Tn + kAttnTile - 1) / kAttnTile * kAttnTile * ((hs + 1) / 2) : 0), vw(nat ? (Tn + 1) / 2 * hs : 0) {}
 };
+
+// Native: makes w.kw's and w.vw's words of head (b, h) for the keys [0, kend), reusing what the
+// thread's previous item made for the same head.
+inline void key_words(const float* head, const AttnDims& d, std::int64_t bh, std::int64_t kend,
+                      FlashFwdScratch<float>& w) {
+  const std::int64_t C = d.C, hs = d.hs(), ld = 3 * C, hp = (hs + 1) / 2;
+  if (w.head != bh) w.head = bh, w.keys = 0;
+  for (; w.keys < kend; w.keys += kAttnTile) {  // whole tiles: keys stays a multiple of kAttnTile or T
+    const std::int64_t c0 = w.keys, bc = std::min(kAttnTile, d.Tn - c0);
+    words_along_rows_t(head + C + c0 * ld, ld, bc, hs, w.kw.data() + c0 * hp, kAttnTile);
+    words_down_cols(head + 2 * C + c0 * ld, ld, bc, hs, w.vw.data() + c0 / 2 * hs, hs);
+  }
+}
 
 // One row of one key tile in the online softmax: s (n valid of bc) holds q_i . k_j on entry and
 // exp(scale q_i . k_j - m_i) (0 past n) on return; m, l updated, alpha = exp(m_old - m_new).
@@ -288,11 +306,14 @@ void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int6
   T* o = y + (b * Tn + r0) * C + h * hs;
   const T sc = static_cast<T>(d.scale);
   const std::int64_t hp = (hs + 1) / 2;  // words of a head's row (native)
+  const std::int64_t kend = d.causal ? r0 + br : Tn;
   TileOperand<T> q{};
   if constexpr (std::is_same_v<T, float>)
-    if (w.native) words_along_rows(head + r0 * ld, ld, br, hs, w.qw.data(), hp);
+    if (w.native) {
+      words_along_rows(head + r0 * ld, ld, br, hs, w.qw.data(), hp);
+      key_words(head, d, b * d.H + h, kend, w);
+    }
   if (!w.native) q = tile_operand(d.bf16, head + r0 * ld, ld, br, hs, w.q.data());
-  const std::int64_t kend = d.causal ? r0 + br : Tn;
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<T>::infinity());
   std::fill(w.l.begin(), w.l.end(), 0.0);
   for (std::int64_t c0 = 0; c0 < kend; c0 += kAttnTile) {
@@ -301,11 +322,9 @@ void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int6
     T* s = w.s.data();
     TileOperand<T> v{};
     if constexpr (std::is_same_v<T, float>)
-      if (w.native) {  // S = q k^T, on vdpbf16ps
-        words_along_rows_t(head + C + c0 * ld, ld, bc, hs, w.kw.data(), kAttnTile);
-        tile_product_dpbf16(diag ? Tri::lower_c : Tri::none, br, bc, hs, w.qw.data(), hp, 1, w.kw.data(), kAttnTile,
-                            s, kAttnTile, false);
-      }
+      if (w.native)  // S = q k^T, on vdpbf16ps
+        tile_product_dpbf16(diag ? Tri::lower_c : Tri::none, br, bc, hs, w.qw.data(), hp, 1, w.kw.data() + c0 * hp,
+                            kAttnTile, s, kAttnTile, false);
     if (!w.native) {
       transpose_tile(d.bf16, head + C + c0 * ld, ld, bc, hs, w.kt.data());
       v = tile_operand(d.bf16, head + 2 * C + c0 * ld, ld, bc, hs, w.v.data());
@@ -321,9 +340,8 @@ void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int6
     if constexpr (std::is_same_v<T, float>)
       if (w.native) {  // o = o alpha + P v, on vdpbf16ps
         words_along_rows(s, kAttnTile, br, bc, w.pw.data(), kAttnTile / 2);
-        words_down_cols(head + 2 * C + c0 * ld, ld, bc, hs, w.vw.data(), hs);
-        tile_product_dpbf16(diag ? Tri::lower_a : Tri::none, br, hs, bc, w.pw.data(), kAttnTile / 2, 1, w.vw.data(),
-                            hs, o, C, c0 > 0);
+        tile_product_dpbf16(diag ? Tri::lower_a : Tri::none, br, hs, bc, w.pw.data(), kAttnTile / 2, 1,
+                            w.vw.data() + c0 / 2 * hs, hs, o, C, c0 > 0);
         continue;
       }
     if (d.bf16) round_bf16_block(s, kAttnTile, br, bc, s, kAttnTile);
@@ -352,7 +370,7 @@ void flash_attention_forward(const T* qkv, T* y, T* lse, const AttnDims& d) {
   }
   const bool native = d.bf16 && attention_dpbf16();
   parallel_for(items, d.B * d.H * d.Tn * d.Tn * hs, [&](std::int64_t lo, std::int64_t hi) {
-    FlashFwdScratch<T> w(hs, d.bf16, native);
+    FlashFwdScratch<T> w(d.Tn, hs, d.bf16, native);
     for (std::int64_t it = lo; it < hi; ++it) {
       const std::int64_t bh = it / tiles;
       flash_forward_tile(qkv, y, lse, d, bh / d.H, bh % d.H, it % tiles * kAttnTile, w);
