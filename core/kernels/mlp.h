@@ -98,11 +98,6 @@ inline void rounded(const float* x, bf16* keep, float* t, std::int64_t n) {
 }
 inline void rounded(const bf16* x, bf16*, float* t, std::int64_t n) { to_float(x, t, n); }
 
-// x[0, n) rounded to bf16 in place: the gradient of pre as the unfused twin's .to() makes it.
-inline void round_in_place(float* x, std::int64_t n) {
-  for (std::int64_t j = 0; j < n; j += kChunk) rounded(x + j, nullptr, x + j, std::min(kChunk, n - j));
-}
-
 // h (bf16) = gelu(rounded pre) on rows [r0, r1), columns [c0, c1). P: float, the forward's product
 // output (its bf16 bits go to keep when set), or bf16, the saved pre (keep null).
 template <class P>
@@ -117,22 +112,23 @@ void gelu_block_bf16(const P* pre, bf16* keep, bf16* h, std::int64_t H, std::int
     });
 }
 
-// The backward's epilogue from the saved bf16 pre: h (bf16) = gelu(pre) and dpre = dh gelu'(pre)
-// rounded to bf16; dpre may be dh.
-inline void gelu_grad_block_bf16(const bf16* pre, const float* dh, float* dpre, bf16* h, std::int64_t H,
+// The backward's epilogue from the saved bf16 pre: h (bf16) = gelu(pre) and dpre (bf16) =
+// dh gelu'(pre) rounded to bf16: the operand of the two products after it, which would round it
+// anyway, and of the bias gradient's sums (exact in float32 and double).
+inline void gelu_grad_block_bf16(const bf16* pre, const float* dh, bf16* dpre, bf16* h, std::int64_t H,
                                  std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
   const GeluErfOp op;
   for (std::int64_t r = r0; r < r1; ++r)
     store_bf16(h + r * H, c0, c1, [&](float* t, std::int64_t j0, std::int64_t n) {
       const std::int64_t i = r * H + j0;
-      float p[kChunk];
+      float p[kChunk], g[kChunk];
       to_float(pre + i, p, n);
       for (std::int64_t j = 0; j < n; ++j) {
         float d;
         op.fdf(p[j], t[j], d);
-        dpre[i + j] = dh[i + j] * d;
+        g[j] = dh[i + j] * d;
       }
-      round_in_place(dpre + i, n);
+      to_bf16(g, dpre + i, n);
     });
 }
 
@@ -150,8 +146,8 @@ void swiglu_rows_bf16(const P* pre, bf16* keep, bf16* h, std::int64_t F, std::in
 }
 
 // The backward's epilogue from the saved bf16 pre on rows [r0, r1): h (bf16) = silu(gate) up and
-// dpre = (dh up silu'(gate), dh silu(gate)) rounded to bf16.
-inline void swiglu_grad_rows_bf16(const bf16* pre, const float* dh, float* dpre, bf16* h, std::int64_t F,
+// dpre (bf16) = (dh up silu'(gate), dh silu(gate)) rounded to bf16, as gelu_grad_block_bf16's.
+inline void swiglu_grad_rows_bf16(const bf16* pre, const float* dh, bf16* dpre, bf16* h, std::int64_t F,
                                   std::int64_t r0, std::int64_t r1) {
   for (std::int64_t r = r0; r < r1; ++r)
     store_bf16(h + r * F, 0, F, [&](float* t, std::int64_t j0, std::int64_t n) {
@@ -161,9 +157,8 @@ inline void swiglu_grad_rows_bf16(const bf16* pre, const float* dh, float* dpre,
       to_float(pre + u, x + n, n);
       for (std::int64_t j = 0; j < n; ++j) t[j] = swiglu_one(x[j], x[n + j]);
       swiglu_grad_row(x, dh + r * F + j0, dx, n);
-      round_in_place(dx, 2 * n);
-      std::copy(dx, dx + n, dpre + g);
-      std::copy(dx + n, dx + 2 * n, dpre + u);
+      to_bf16(dx, dpre + g, n);
+      to_bf16(dx + n, dpre + u, n);
     });
 }
 

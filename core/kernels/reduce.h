@@ -20,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/bf16.h"
 #include "kernels/fastmath.h"
 #include "kernels/parallel.h"
 
@@ -100,17 +101,23 @@ void for_reduce_blocks(std::int64_t O, std::int64_t R, std::int64_t I, F&& body)
   });
 }
 
-// x (O, R, I) -> y (O, I): y[o, i] = scale * sum_r x[o, r, i]   (scale = 1 for sum, 1/R for mean)
+// x (O, R, I) -> y (O, I): y[o, i] = scale * sum_r x[o, r, i]   (scale = 1 for sum, 1/R for mean).
+// X is T, or bf16 (a bias gradient under autocast), whose values are exact in double.
+inline double as_double(bf16 x) { return static_cast<double>(to_float(x)); }
 template <class T>
-void sum_forward(const T* x, T* y, std::int64_t O, std::int64_t R, std::int64_t I, double scale) {
+inline double as_double(T x) {
+  return static_cast<double>(x);
+}
+template <class X, class T>
+void sum_forward(const X* x, T* y, std::int64_t O, std::int64_t R, std::int64_t I, double scale) {
   if (O * ((I + kReduceBlock - 1) / kReduceBlock) < omp_get_max_threads() && R > 1 && worth_parallel(O * R * I)) {
     // Fewer output blocks than threads (a bias gradient: column sums of a (rows, 128) matrix is
     // one block): the reduced axis is split instead, each thread summing its rows into its own
     // double buffer, the buffers added in thread order (the same bits on every run).
     for (std::int64_t o = 0; o < O; ++o) {
       const std::vector<double> tot = rows_with_partials(R, I, R * I, [&](std::int64_t r, double* acc) {
-        const T* row = x + (o * R + r) * I;
-        for (std::int64_t i = 0; i < I; ++i) acc[i] += row[i];
+        const X* row = x + (o * R + r) * I;
+        for (std::int64_t i = 0; i < I; ++i) acc[i] += as_double(row[i]);
       });
       for (std::int64_t i = 0; i < I; ++i) y[o * I + i] = static_cast<T>(tot[static_cast<std::size_t>(i)] * scale);
     }
@@ -119,8 +126,8 @@ void sum_forward(const T* x, T* y, std::int64_t O, std::int64_t R, std::int64_t 
   for_reduce_blocks(O, R, I, [&](std::int64_t o, std::int64_t i0, std::int64_t i1) {
     double acc[kReduceBlock] = {};
     for (std::int64_t r = 0; r < R; ++r) {
-      const T* row = x + (o * R + r) * I;
-      for (std::int64_t i = i0; i < i1; ++i) acc[i - i0] += row[i];
+      const X* row = x + (o * R + r) * I;
+      for (std::int64_t i = i0; i < i1; ++i) acc[i - i0] += as_double(row[i]);
     }
     for (std::int64_t i = i0; i < i1; ++i) y[o * I + i] = static_cast<T>(acc[i - i0] * scale);
   });

@@ -57,6 +57,7 @@ struct ActEpilogue {
   kernels::bf16* hb = nullptr;
   kernels::bf16* keep = nullptr;
   const kernels::bf16* saved = nullptr;
+  kernels::bf16* dpre_b = nullptr;  // the backward's dpre as bf16, instead of out
   void apply(i64 r0, i64 r1, i64 c0, i64 c1) const {
     T* hout = dh ? h : out;
     if (d.act == Act::swiglu) {
@@ -70,11 +71,11 @@ struct ActEpilogue {
   void apply_bf16(i64 r0, i64 r1, i64 c0, i64 c1) const {
     if constexpr (std::is_same_v<T, float>) {
       if (d.act == Act::swiglu) {
-        if (dh) kernels::swiglu_grad_rows_bf16(saved, dh, out, hb, d.F, r0, r1);
+        if (dh) kernels::swiglu_grad_rows_bf16(saved, dh, dpre_b, hb, d.F, r0, r1);
         else if (saved) kernels::swiglu_rows_bf16(saved, nullptr, hb, d.F, r0, r1);
         else kernels::swiglu_rows_bf16(pre, keep, hb, d.F, r0, r1);
       } else {
-        if (dh) kernels::gelu_grad_block_bf16(saved, dh, out, hb, d.H, r0, r1, c0, c1);
+        if (dh) kernels::gelu_grad_block_bf16(saved, dh, dpre_b, hb, d.H, r0, r1, c0, c1);
         else if (saved) kernels::gelu_block_bf16(saved, nullptr, hb, d.H, r0, r1, c0, c1);
         else kernels::gelu_block_bf16(pre, keep, hb, d.H, r0, r1, c0, c1);
       }
@@ -128,8 +129,8 @@ void mlp_forward(const Tensor& x, MlpSaved& s, const Tensor& b1, const Tensor& b
 }
 
 // Column sums of G (rows, n) into the gradient of a bias, when it is wanted.
-template <class T>
-void pass_bias_grad(Node& n, int slot, const T* G, i64 rows, i64 cols) {
+template <class T, class G_>
+void pass_bias_grad(Node& n, int slot, const G_* G, i64 rows, i64 cols) {
   Tensor db = n.new_grad(slot);
   if (db.defined()) kernels::sum_forward(G, db.data<T>(), 1, rows, cols, 1.0);
   n.pass_grad(slot, std::move(db));
@@ -161,11 +162,15 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   const DType dt = n.grad_out().dtype();
   Tensor h = !d.bf16 && d.act == Act::gelu ? n.reusable_saved(s.pre) : Tensor();
   if (!h.defined()) h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : dt);
+  // dpre: over dh (GELU, float32), its own float buffer (SwiGLU), or, under autocast, bf16: the
+  // two products after it round it anyway, so they read half the bytes and convert nothing, and
+  // dh goes once the product is done.
   Tensor dh = Tensor::empty({d.rows, d.F}, dt);
-  Tensor dpre = d.act == Act::gelu ? dh : Tensor::empty({d.rows, d.H}, dt);
+  Tensor dpre = d.bf16 ? Tensor::empty({d.rows, d.H}, bfloat16) : d.act == Act::gelu ? dh : Tensor::empty({d.rows, d.H}, dt);
   kernels::bf16* hb = d.bf16 ? static_cast<kernels::bf16*>(h.raw_data()) : nullptr;
-  const ActEpilogue<T> back{.d = d, .pre = pre, .dh = dh.data<T>(), .out = dpre.data<T>(),
-                            .h = hb ? nullptr : h.data<T>(), .hb = hb, .saved = saved};
+  const ActEpilogue<T> back{.d = d, .pre = pre, .dh = dh.data<T>(), .out = d.bf16 ? nullptr : dpre.data<T>(),
+                            .h = hb ? nullptr : h.data<T>(), .hb = hb, .saved = saved,
+                            .dpre_b = d.bf16 ? static_cast<kernels::bf16*>(dpre.raw_data()) : nullptr};
   const bool want_pre = n.needs_grad(0) || n.needs_grad(1) || n.needs_grad(2);  // dpre is read by x's, w1's, b1's
   if (want_pre) {
     detail::run(detail::Product<T>{false, false, d.rows, d.F, d.out, operand(G, d.out),
@@ -175,26 +180,27 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
     const ActEpilogue<T> fwd{.d = d, .pre = pre, .out = hb ? nullptr : h.data<T>(), .hb = hb, .saved = saved};
     kernels::parallel_for(d.rows, d.rows * d.H, [&](i64 lo, i64 hi) { fwd.run(&fwd, lo, hi, 0, d.H); });
   }
+  dh = Tensor();  // read by the epilogue only (dpre itself when it is over dh)
   Tensor dw2 = n.new_grad(3);
   if (dw2.defined())
     detail::run(detail::Product<T>{true, false, d.out, d.F, d.rows, operand(G, d.out), operand<T>(h, d.F), T(0),
                                    dw2.data<T>(), d.F, d.bf16});
   h = Tensor();
   n.pass_grad(3, std::move(dw2));
-  pass_bias_grad(n, 4, G, d.rows, d.out);
+  pass_bias_grad<T>(n, 4, G, d.rows, d.out);
   if (!want_pre) return n.pass_grad(5, std::move(dres));
   Tensor dx = n.new_grad(0), dw1 = n.new_grad(1);
   const Tensor& xs = s.x_bf16.defined() ? s.x_bf16 : s.x;
-  const T* P = dpre.data<T>();
-  detail::Product<T> p_dx{false, false, d.rows, d.C, d.H, operand(P, d.H),
+  detail::Product<T> p_dx{false, false, d.rows, d.C, d.H, operand<T>(dpre, d.H),
                           operand<T>(s.w.w1, d.C), T(0), detail::grad_ptr<T>(dx), d.C, d.bf16};
-  detail::Product<T> p_dw1{true, false, d.H, d.C, d.rows, operand(P, d.H), {}, T(0), detail::grad_ptr<T>(dw1), d.C,
-                           d.bf16};
+  detail::Product<T> p_dw1{true, false, d.H, d.C, d.rows, operand<T>(dpre, d.H), {}, T(0), detail::grad_ptr<T>(dw1),
+                           d.C, d.bf16};
   if (dw1.defined()) p_dw1.B = operand<T>(xs, d.C);
   run_backward_pair(p_dx, p_dw1, dx.defined(), dw1.defined());
   n.pass_grad(0, std::move(dx));
   n.pass_grad(1, std::move(dw1));
-  pass_bias_grad(n, 2, P, d.rows, d.H);
+  if (d.bf16) pass_bias_grad<T>(n, 2, static_cast<const kernels::bf16*>(dpre.raw_data()), d.rows, d.H);
+  else pass_bias_grad<T>(n, 2, dpre.data<T>(), d.rows, d.H);
   n.pass_grad(5, std::move(dres));
 }
 
