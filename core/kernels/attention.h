@@ -33,8 +33,11 @@
 //
 // bf16 (float32 only, the products of an autocast scope, tapegrad/autocast.h): every product
 // operand (q, k, v, P, dy, dS) is rounded to bfloat16 (nearest, ties to even, kernels/bf16.h) and
-// held in a float, so each product of two is exact in float32 and the sums are float32 ones; the
-// softmax statistics (m, l, lse, D) and y stay float32. docs/attention.md derives the error bound.
+// the sums are float32 ones; the softmax statistics (m, l, lse, D) and y stay float32. Two paths:
+// where isa() >= avx512_bf16 the products run on vdpbf16ps, the operands as bf16 pairs in words
+// (attention_dpbf16.h, "native" below); elsewhere the rounded operands are held in floats, so each
+// product of two is exact in float32, and go through tile_product. docs/attention.md derives the
+// error bound, which holds for both.
 #include <algorithm>
 #include <bit>
 #include <cassert>
