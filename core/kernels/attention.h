@@ -58,6 +58,7 @@
 namespace tg::kernels {
 
 inline constexpr std::int64_t kAttnTile = 64;  // Br = Bc
+static_assert(kAttnTile % 2 == 0, "tiles start at even rows: a tile's bf16 pairs are its head's (attention_dpbf16.h)");
 
 // The problem: shapes, the logits' factor (1 / sqrt(hs) in a transformer), the mask, and whether
 // the products take bf16-rounded operands (T = float only).
@@ -256,15 +257,15 @@ void transpose_tile(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, s
 // With vdpbf16ps (native), the products' operands as words (attention_dpbf16.h) in place of kt, q
 // and v: qw (Br, ceil(hs / 2)) and pw (Br, Bc / 2) the query tile's q and P along their rows; kw
 // per key tile (ceil(hs / 2), Bc) its k rows transposed, and vw (ceil(T / 2), hs) v down its
-// columns, both for the whole of head `head` as far as key `keys`: a thread's items run a head's
-// query tiles in turn, and each reuses the key tiles the ones before it made.
+// columns, both for the whole of head (batch, head) number `bh` as far as key `keys`: a thread's
+// items run a head's query tiles in turn, and each reuses the key tiles the ones before it made.
 template <class T>
 struct FlashFwdScratch {
   bool native;
   std::vector<T> s, kt, q, v, m, alpha;
   std::vector<double> l;
   std::vector<std::uint32_t> qw, pw, kw, vw;
-  std::int64_t head = -1, keys = 0;
+  std::int64_t bh = -1, keys = 0;
   FlashFwdScratch(std::int64_t Tn, std::int64_t hs, bool bf16, bool nat)
       : native(nat), s(kAttnTile * kAttnTile), kt(nat ? 0 : hs * kAttnTile), q(bf16 && !nat ? kAttnTile * hs : 0),
         v(q.size()), m(kAttnTile), alpha(kAttnTile), l(kAttnTile), qw(nat ? kAttnTile * ((hs + 1) / 2) : 0),
@@ -277,8 +278,8 @@ struct FlashFwdScratch {
 inline void key_words(const float* head, const AttnDims& d, std::int64_t bh, std::int64_t kend,
                       FlashFwdScratch<float>& w) {
   const std::int64_t C = d.C, hs = d.hs(), ld = 3 * C, hp = (hs + 1) / 2;
-  if (w.head != bh) w.head = bh, w.keys = 0;
-  for (; w.keys < kend; w.keys += kAttnTile) {  // whole tiles: keys stays a multiple of kAttnTile or T
+  if (w.bh != bh) w.bh = bh, w.keys = 0;
+  for (; w.keys < kend; w.keys += kAttnTile) {  // whole tiles: keys is a multiple of kAttnTile
     const std::int64_t c0 = w.keys, bc = std::min(kAttnTile, d.Tn - c0);
     words_along_rows_t(head + C + c0 * ld, ld, bc, hs, w.kw.data() + c0 * hp, kAttnTile);
     words_down_cols(head + 2 * C + c0 * ld, ld, bc, hs, w.vw.data() + c0 / 2 * hs, hs);
@@ -388,19 +389,19 @@ void flash_attention_forward(const T* qkv, T* y, T* lse, const AttnDims& d) {
 // (T, hs): the head's bf16-rounded operands (bf16 only).
 // With vdpbf16ps (native), the operands as words (attention_dpbf16.h) in place of pb, kt, vt, q, k,
 // v and g: qr, gr (T, ceil(hs / 2)) q's and dY's rows; qc, kc, gc (ceil(T / 2), hs) q, k and dY
-// down their columns; kw, vw (ceil(hs / 2), Bc) the key tile's k and v rows transposed; pc, sc
+// down their columns; kw, vw (ceil(hs / 2), Bc) the key tile's k and v rows transposed; pc, dsc
 // (Br / 2, Bc) P and dS down their columns, sr (Br, Bc / 2) dS along its rows.
 template <class T>
 struct FlashBwdScratch {
   bool native;
   std::vector<T> p, pb, dp, kt, vt, D, q, k, v, g;
-  std::vector<std::uint32_t> qr, gr, qc, kc, gc, kw, vw, pc, sc, sr;
+  std::vector<std::uint32_t> qr, gr, qc, kc, gc, kw, vw, pc, dsc, sr;
   FlashBwdScratch(std::int64_t Tn, std::int64_t hs, bool bf16, bool nat)
       : native(nat), p(kAttnTile * kAttnTile), pb(bf16 && !nat ? kAttnTile * kAttnTile : 0), dp(kAttnTile * kAttnTile),
         kt(nat ? 0 : hs * kAttnTile), vt(kt.size()), D(Tn), q(bf16 && !nat ? Tn * hs : 0), k(q.size()), v(q.size()),
         g(q.size()), qr(nat ? Tn * ((hs + 1) / 2) : 0), gr(qr.size()), qc(nat ? (Tn + 1) / 2 * hs : 0),
         kc(qc.size()), gc(qc.size()), kw(nat ? (hs + 1) / 2 * kAttnTile : 0), vw(kw.size()),
-        pc(nat ? kAttnTile * kAttnTile / 2 : 0), sc(pc.size()), sr(pc.size()) {}
+        pc(nat ? kAttnTile * kAttnTile / 2 : 0), dsc(pc.size()), sr(pc.size()) {}
 };
 
 // P = exp(scale S - lse) over the tile's S in p (0 where masked), rounded as in the forward.
@@ -483,10 +484,10 @@ inline void flash_backward_pair_dpbf16(float* dq, float* dk, float* dv, const fl
                       kAttnTile, dp, kAttnTile, false);  // dP = dy_i v_j^T
   score_grads_tile(p, dp, w.D.data(), d, r0, c0, br, bc);
   words_along_rows(dp, kAttnTile, br, bc, w.sr.data(), kAttnTile / 2);
-  words_down_cols(dp, kAttnTile, br, bc, w.sc.data(), kAttnTile);
+  words_down_cols(dp, kAttnTile, br, bc, w.dsc.data(), kAttnTile);
   tile_product_dpbf16(diag ? Tri::lower_a : Tri::none, br, hs, bc, w.sr.data(), kAttnTile / 2, 1, kc, hs,
                       dq + r0 * ld, ld, c0 > 0);  // dq_i (+)= dS k_j
-  tile_product_dpbf16(diag ? Tri::upper_a : Tri::none, bc, hs, br, w.sc.data(), 1, kAttnTile, qc, hs, dk + c0 * ld,
+  tile_product_dpbf16(diag ? Tri::upper_a : Tri::none, bc, hs, br, w.dsc.data(), 1, kAttnTile, qc, hs, dk + c0 * ld,
                       ld, !first_i);  // dk_j (+)= dS^T q_i
 }
 

@@ -29,7 +29,7 @@ bool attention_dpbf16() {
 
 namespace {
 
-constexpr i64 kChunk = 512;  // values of a row converted at a time (1 KB of stack)
+constexpr i64 kChunk = 512;  // values of a row converted at a time (1 KB of stack a row)
 
 // n values of a row as bf16: floats rounded by the array conversion (AVX512_BF16 is there, so its
 // vectorised form), bf16 copied.
@@ -37,29 +37,29 @@ void row_bf16(const float* s, bf16* d, i64 n) { bf16_impl::to_bf16_avx512(s, d, 
 void row_bf16(const bf16* s, bf16* d, i64 n) { std::memcpy(d, s, static_cast<std::size_t>(n) * sizeof(bf16)); }
 
 // A row's bf16 values are its words in memory order (element 2p the low half of word p): one
-// conversion per row, and a zero high half after an odd end.
+// conversion per row, and a zero high half after an odd end (memset: the row is u32 storage).
 template <class T>
 void along_rows(const T* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
+  assert(attention_dpbf16());
   for (i64 r = 0; r < rows; ++r) {
     prefetch_rows(x, ld, r + 8, 1, rows, cols);
-    auto* d = reinterpret_cast<bf16*>(out + r * ldo);
-    row_bf16(x + r * ld, d, cols);
-    if (cols % 2) d[cols] = bf16{0};
+    row_bf16(x + r * ld, reinterpret_cast<bf16*>(out + r * ldo), cols);
+    if (cols % 2) std::memset(reinterpret_cast<char*>(out + r * ldo) + 2 * cols, 0, 2);
   }
 }
 
 // Each row converted a chunk at a time, its words then stored down a column of out.
 template <class T>
 void along_rows_t(const T* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
-  alignas(64) u32 w[kChunk / 2];
+  assert(attention_dpbf16());
+  alignas(64) std::uint16_t h[kChunk + 1];
   for (i64 r = 0; r < rows; ++r) {
     prefetch_rows(x, ld, r + 8, 1, rows, cols);
     for (i64 c0 = 0; c0 < cols; c0 += kChunk) {
       const i64 n = std::min(kChunk, cols - c0), words = (n + 1) / 2;
-      auto* h = reinterpret_cast<bf16*>(w);
-      row_bf16(x + r * ld + c0, h, n);
-      if (n % 2) h[n] = bf16{0};
-      for (i64 p = 0; p < words; ++p) out[(c0 / 2 + p) * ldo + r] = w[p];
+      row_bf16(x + r * ld + c0, reinterpret_cast<bf16*>(h), n);
+      h[n] = 0;  // the pad of an odd n
+      for (i64 p = 0; p < words; ++p) out[(c0 / 2 + p) * ldo + r] = u32{h[2 * p]} | u32{h[2 * p + 1]} << 16;
     }
   }
 }
@@ -67,6 +67,7 @@ void along_rows_t(const T* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
 // Two rows converted a chunk at a time, then interleaved: the first row's values the low halves.
 template <class T>
 void down_cols(const T* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
+  assert(attention_dpbf16());
   alignas(64) std::uint16_t h0[kChunk], h1[kChunk];
   for (i64 p = 0; 2 * p < rows; ++p) {
     prefetch_rows(x, ld, 2 * p + 8, 2, rows, cols);
@@ -103,6 +104,7 @@ namespace {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
 constexpr int kRows = 6, kVecs = 4, kLanes = 16;  // 6 x 4 zmm accumulators, as the bf16 product's tile
+static_assert(kRows % 2 == 0, "row blocks start at even rows, so the masks cut in whole pairs");
 
 // Rows [i0, i0 + R) and columns [n0, n0 + 16 NV) of C (lanes past m[v] neither read nor written),
 // over pairs [p0, p1): per pair NV loads of B, R broadcasts of A's word, R NV vdpbf16ps.
@@ -170,8 +172,8 @@ void tile_product_dpbf16(Tri tri, i64 M, i64 N, i64 K, const u32* A, i64 si, i64
     // In pairs: k0 is even (blocks start at multiples of 6), k1 rounds up to its pair.
     const i64 k0 = tri == Tri::upper_a ? std::min(i0, K) : 0, k1 = tri == Tri::lower_a ? std::min(last, K) : K;
     const i64 p0 = k0 / 2, p1 = (k1 + 1) / 2;
-    // lower_c: up to the block's last row, rounded up to whole vectors (the rest is unspecified)
-    const i64 n = tri == Tri::lower_c ? std::min((last + kLanes - 1) / kLanes * kLanes, N) : N;
+    // lower_c: columns up to the block's last row (the stores are masked; the rest is not written)
+    const i64 n = tri == Tri::lower_c ? std::min(last, N) : N;
     switch (rows) {
       case 6: dp_rows<6>(A, si, sk, i0, B, ldb, n, C, ldc, p0, p1, acc); break;
       case 5: dp_rows<5>(A, si, sk, i0, B, ldb, n, C, ldc, p0, p1, acc); break;

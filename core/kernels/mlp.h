@@ -113,8 +113,9 @@ void gelu_block_bf16(const P* pre, bf16* keep, bf16* h, std::int64_t H, std::int
 }
 
 // The backward's epilogue from the saved bf16 pre: h (bf16) = gelu(pre) and dpre (bf16) =
-// dh gelu'(pre) rounded to bf16: the operand of the two products after it, which would round it
-// anyway, and of the bias gradient's sums (exact in float32 and double).
+// dh gelu'(pre) rounded to bf16, as the unfused twin's .to() backward rounds it: the operand of
+// the two products after it (which would round it anyway) and of the bias gradient's sums (bf16
+// values are exact in double, so they are the sums of the rounded floats the twin adds).
 inline void gelu_grad_block_bf16(const bf16* pre, const float* dh, bf16* dpre, bf16* h, std::int64_t H,
                                  std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
   const GeluErfOp op;

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/bf16.h"
@@ -110,6 +111,7 @@ inline double as_double(T x) {
 }
 template <class X, class T>
 void sum_forward(const X* x, T* y, std::int64_t O, std::int64_t R, std::int64_t I, double scale) {
+  static_assert(std::is_same_v<X, T> || std::is_same_v<X, bf16>, "sum_forward reads T or bf16");
   if (O * ((I + kReduceBlock - 1) / kReduceBlock) < omp_get_max_threads() && R > 1 && worth_parallel(O * R * I)) {
     // Fewer output blocks than threads (a bias gradient: column sums of a (rows, 128) matrix is
     // one block): the reduced axis is split instead, each thread summing its rows into its own

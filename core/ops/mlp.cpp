@@ -49,7 +49,7 @@ struct ActEpilogue {
   MlpDims d;
   const T* pre = nullptr;  // the product's pre, or the saved one (float pre; null under autocast in the backward)
   const T* dh = nullptr;   // null in the forward
-  T* out = nullptr;        // h (forward) or dpre (backward)
+  T* out = nullptr;        // h (forward) or dpre (backward), both float
   T* h = nullptr;          // the backward's h
   // Under autocast (T = float): h as bf16, instead of the forward's out or the backward's h; and
   // pre as bf16, which the forward writes (keep, when the node saves it) and the backward reads
@@ -57,7 +57,7 @@ struct ActEpilogue {
   kernels::bf16* hb = nullptr;
   kernels::bf16* keep = nullptr;
   const kernels::bf16* saved = nullptr;
-  kernels::bf16* dpre_b = nullptr;  // the backward's dpre as bf16, instead of out
+  kernels::bf16* dpre_b = nullptr;  // under autocast the backward's dpre, as bf16 (out is unused)
   void apply(i64 r0, i64 r1, i64 c0, i64 c1) const {
     T* hout = dh ? h : out;
     if (d.act == Act::swiglu) {
@@ -162,17 +162,18 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
   const DType dt = n.grad_out().dtype();
   Tensor h = !d.bf16 && d.act == Act::gelu ? n.reusable_saved(s.pre) : Tensor();
   if (!h.defined()) h = Tensor::empty({d.rows, d.F}, d.bf16 ? bfloat16 : dt);
-  // dpre: over dh (GELU, float32), its own float buffer (SwiGLU), or, under autocast, bf16: the
-  // two products after it round it anyway, so they read half the bytes and convert nothing, and
-  // dh goes once the product is done.
-  Tensor dh = Tensor::empty({d.rows, d.F}, dt);
-  Tensor dpre = d.bf16 ? Tensor::empty({d.rows, d.H}, bfloat16) : d.act == Act::gelu ? dh : Tensor::empty({d.rows, d.H}, dt);
   kernels::bf16* hb = d.bf16 ? static_cast<kernels::bf16*>(h.raw_data()) : nullptr;
-  const ActEpilogue<T> back{.d = d, .pre = pre, .dh = dh.data<T>(), .out = d.bf16 ? nullptr : dpre.data<T>(),
-                            .h = hb ? nullptr : h.data<T>(), .hb = hb, .saved = saved,
-                            .dpre_b = d.bf16 ? static_cast<kernels::bf16*>(dpre.raw_data()) : nullptr};
   const bool want_pre = n.needs_grad(0) || n.needs_grad(1) || n.needs_grad(2);  // dpre is read by x's, w1's, b1's
+  // dpre: over dh (GELU, float32), its own float buffer (SwiGLU), or, under autocast, bf16: the
+  // two products after it round it anyway, so they read half the bytes and convert nothing. dh
+  // goes when the product is done (unless dpre is over it).
+  Tensor dpre;
   if (want_pre) {
+    Tensor dh = Tensor::empty({d.rows, d.F}, dt);
+    dpre = d.bf16 ? Tensor::empty({d.rows, d.H}, bfloat16) : d.act == Act::gelu ? dh : Tensor::empty({d.rows, d.H}, dt);
+    const ActEpilogue<T> back{.d = d, .pre = pre, .dh = dh.data<T>(), .out = d.bf16 ? nullptr : dpre.data<T>(),
+                              .h = hb ? nullptr : h.data<T>(), .hb = hb, .saved = saved,
+                              .dpre_b = d.bf16 ? static_cast<kernels::bf16*>(dpre.raw_data()) : nullptr};
     detail::run(detail::Product<T>{false, false, d.rows, d.F, d.out, operand(G, d.out),
                                    operand<T>(s.w.w2, d.F), T(0), dh.data<T>(), d.F, d.bf16,
                                    back.epilogue()});
@@ -180,7 +181,6 @@ void mlp_backward(Node& n, const MlpSaved& s, const MlpDims& d) {
     const ActEpilogue<T> fwd{.d = d, .pre = pre, .out = hb ? nullptr : h.data<T>(), .hb = hb, .saved = saved};
     kernels::parallel_for(d.rows, d.rows * d.H, [&](i64 lo, i64 hi) { fwd.run(&fwd, lo, hi, 0, d.H); });
   }
-  dh = Tensor();  // read by the epilogue only (dpre itself when it is over dh)
   Tensor dw2 = n.new_grad(3);
   if (dw2.defined())
     detail::run(detail::Product<T>{true, false, d.out, d.F, d.rows, operand(G, d.out), operand<T>(h, d.F), T(0),

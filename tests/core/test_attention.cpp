@@ -3,6 +3,7 @@
 // against their naive reference at every tile edge, causal and not, across thread counts, and
 // with bf16 operands within the bound that docs/attention.md derives.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <type_traits>
 
@@ -208,23 +209,46 @@ const std::initializer_list<kernels::Isa> kAttnPaths = {kernels::Isa::portable, 
 
 TEST_CASE("tiled attention: the same bits at 1, 2 and 3 threads") {
   const int threads = get_num_threads();
-  // hs = 256 with B H = 1: tile products large enough that a product alone could be split
-  for (Shape4 s : {Shape4{2, 2 * kTile + 3, 48, 2}, {3, 70, 12, 3}, {1, kTile, 256, 1}})
-    for (bool bf16 : {false, true}) each_isa(kAttnPaths, [&](kernels::Isa) {
-      auto [B, T, C, H] = s;
-      INFO("B " << B << " T " << T << " C " << C << " H " << H << (bf16 ? " bf16" : ""));
-      const auto qkv = values<float>({B, T, 3 * C}, 21), dy = values<float>({B, T, C}, 22);
-      set_num_threads(1);
-      const Outputs<float> one = run_flash(qkv, dy, dims(s, true, bf16));
-      for (int n : {2, 3}) {
-        set_num_threads(n);
-        const Outputs<float> many = run_flash(qkv, dy, dims(s, true, bf16));
-        CHECK(many.y == one.y);
-        CHECK(many.lse == one.lse);
-        CHECK(many.dqkv == one.dqkv);
-      }
-    });
+  // hs = 256 with B H = 1: tile products large enough that a product alone could be split; hs = 15:
+  // odd, a pair padded
+  for (Shape4 s : {Shape4{2, 2 * kTile + 3, 48, 2}, {3, 70, 12, 3}, {1, kTile, 256, 1}, {2, 2 * kTile + 1, 30, 2}})
+    for (bool causal : {true, false})
+      for (bool bf16 : {false, true}) each_isa(kAttnPaths, [&](kernels::Isa level) {
+        if (!bf16 && level != kernels::Isa::portable) return;  // float32 takes one path
+        auto [B, T, C, H] = s;
+        INFO("B " << B << " T " << T << " C " << C << " H " << H << (bf16 ? " bf16" : "") << (causal ? " causal" : ""));
+        const auto qkv = values<float>({B, T, 3 * C}, 21), dy = values<float>({B, T, C}, 22);
+        set_num_threads(1);
+        const Outputs<float> one = run_flash(qkv, dy, dims(s, causal, bf16));
+        for (int n : {2, 3}) {
+          set_num_threads(n);
+          const Outputs<float> many = run_flash(qkv, dy, dims(s, causal, bf16));
+          CHECK(many.y == one.y);
+          CHECK(many.lse == one.lse);
+          CHECK(many.dqkv == one.dqkv);
+        }
+      });
   set_num_threads(threads);
+}
+
+TEST_CASE("tiled attention's two bf16 paths both run, and differ only in the last places") {
+  if (!kernels::cpu_has_avx512_bf16()) return;  // one path only on this CPU
+  const Shape4 s{2, 2 * kTile + 5, 30, 2};
+  const auto qkv = values<float>({2, 2 * kTile + 5, 90}, 23), dy = values<float>({2, 2 * kTile + 5, 30}, 24);
+  Outputs<float> f, v;
+  {
+    IsaScope scope(kernels::Isa::portable);
+    f = run_flash(qkv, dy, dims(s, true, true));
+  }
+  {
+    IsaScope scope(kernels::Isa::avx512_bf16);
+    v = run_flash(qkv, dy, dims(s, true, true));
+  }
+  CHECK(f.y != v.y);  // vdpbf16ps sums in pairs: another order
+  CHECK(f.dqkv != v.dqkv);
+  // Both hold the same rounded operands: the sums differ by float32 roundings, far below bf16's.
+  CHECK(max_diff(v.y, std::vector<double>(f.y.begin(), f.y.end())) < 1e-3);
+  CHECK(max_diff(v.dqkv, std::vector<double>(f.dqkv.begin(), f.dqkv.end())) < 1e-3);
 }
 
 TEST_CASE("causal attention keeps qkv, y and lse for its backward: nothing of size T x T") {
@@ -433,8 +457,8 @@ template <class T>
 DpOperands dp_operands(const std::vector<T>& a, const std::vector<T>& at, const std::vector<T>& b,
                        const std::vector<T>& bt, std::int64_t M, std::int64_t N, std::int64_t K, bool transposed_storage) {
   const std::int64_t ka = (K + 1) / 2;
-  DpOperands o{std::vector<std::uint32_t>(static_cast<std::size_t>(M * ka + 1)),
-               std::vector<std::uint32_t>(static_cast<std::size_t>(ka * N + 1)), 0, 0, N};
+  DpOperands o{std::vector<std::uint32_t>(static_cast<std::size_t>(M * ka)),
+               std::vector<std::uint32_t>(static_cast<std::size_t>(ka * N)), 0, 0, N};
   if (transposed_storage) {  // A from A^T (K, M) down its columns; B from B^T (N, K) along its rows
     kernels::words_down_cols(at.data(), M, K, M, o.A.data(), M);
     o.si = 1, o.sk = M;
@@ -452,28 +476,31 @@ DpOperands dp_operands(const std::vector<T>& a, const std::vector<T>& at, const 
 TEST_CASE("attention's vdpbf16ps tile products give gemm_bf16's bits at every tile edge") {
   if (!kernels::cpu_has_avx512_bf16()) return;  // the path runs only where the CPU has AVX512_BF16
   IsaScope scope(kernels::Isa::avx512_bf16);
+  // The last shape crosses the word makers' chunks of 512 values, in K and in N.
+  std::vector<std::array<std::int64_t, 3>> shapes{{7, 530, 531}};
   for (std::int64_t M : {1, 5, 6, 7, 13, 64})
     for (std::int64_t N : {1, 15, 16, 17, 40, 64, 65})
-      for (std::int64_t K : {1, 2, 7, 31, 64}) {
-        const auto a = dp_values(M, K, 51 + M), b = dp_values(K, N, 52 + N), c0 = dp_values(M, N, 53);
-        const auto at = transposed(a, M, K), bt = transposed(b, K, N);
-        for (bool from_bf16 : {false, true})
-          for (bool storage_t : {false, true})
-            for (bool acc : {false, true}) {
-              INFO("M " << M << " N " << N << " K " << K << (from_bf16 ? " bf16" : " float") << (storage_t ? " transposed" : "")
-                        << (acc ? " C +=" : " C ="));
-              const DpOperands o = from_bf16 ? dp_operands(as_bf16(a), as_bf16(at), as_bf16(b), as_bf16(bt), M, N, K, storage_t)
-                                             : dp_operands(a, at, b, bt, M, N, K, storage_t);
-              std::vector<float> got = c0, want = c0;
-              kernels::tile_product_dpbf16(kernels::Tri::none, M, N, K, o.A.data(), o.si, o.sk, o.B.data(), o.ldb,
-                                           got.data(), N, acc);
-              kernels::GemmBf16 g;
-              g.M = M, g.N = N, g.K = K, g.A = {a.data(), K}, g.B = {b.data(), N}, g.beta = acc ? 1.0f : 0.0f;
-              g.C = want.data(), g.ldc = N;
-              kernels::bf16_impl::gemm_bf16_single(g, false);  // the emulated path: vdpbf16ps's arithmetic
-              CHECK(got == want);
-            }
-      }
+      for (std::int64_t K : {1, 2, 7, 31, 64}) shapes.push_back({M, N, K});
+  for (auto [M, N, K] : shapes) {
+    const auto a = dp_values(M, K, 51 + M), b = dp_values(K, N, 52 + N), c0 = dp_values(M, N, 53);
+    const auto at = transposed(a, M, K), bt = transposed(b, K, N);
+    for (bool from_bf16 : {false, true})
+      for (bool storage_t : {false, true})
+        for (bool acc : {false, true}) {
+          INFO("M " << M << " N " << N << " K " << K << (from_bf16 ? " bf16" : " float") << (storage_t ? " transposed" : "")
+                    << (acc ? " C +=" : " C ="));
+          const DpOperands o = from_bf16 ? dp_operands(as_bf16(a), as_bf16(at), as_bf16(b), as_bf16(bt), M, N, K, storage_t)
+                                         : dp_operands(a, at, b, bt, M, N, K, storage_t);
+          std::vector<float> got = c0, want = c0;
+          kernels::tile_product_dpbf16(kernels::Tri::none, M, N, K, o.A.data(), o.si, o.sk, o.B.data(), o.ldb,
+                                       got.data(), N, acc);
+          kernels::GemmBf16 g;
+          g.M = M, g.N = N, g.K = K, g.A = {a.data(), K}, g.B = {b.data(), N}, g.beta = acc ? 1.0f : 0.0f;
+          g.C = want.data(), g.ldc = N;
+          kernels::bf16_impl::gemm_bf16_single(g, false);  // the emulated path: vdpbf16ps's arithmetic
+          CHECK(got == want);
+        }
+  }
 }
 
 TEST_CASE("attention's vdpbf16ps tile products skip only what the causal masks make zero or unneeded") {
