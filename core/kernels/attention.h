@@ -274,9 +274,9 @@ struct FlashFwdScratch {
 };
 
 // Native: makes w.kw's and w.vw's words of head (b, h) for the keys [0, kend), reusing what the
-// thread's previous item made for the same head.
-inline void key_words(const float* head, const AttnDims& d, std::int64_t bh, std::int64_t kend,
-                      FlashFwdScratch<float>& w) {
+// thread's previous item made for the same head. Q: float, or bf16 (qkv's bf16 copy).
+template <class Q>
+void key_words(const Q* head, const AttnDims& d, std::int64_t bh, std::int64_t kend, FlashFwdScratch<float>& w) {
   const std::int64_t C = d.C, hs = d.hs(), ld = 3 * C, hp = (hs + 1) / 2;
   if (w.bh != bh) w.bh = bh, w.keys = 0;
   for (; w.keys < kend; w.keys += kAttnTile) {  // whole tiles: keys is a multiple of kAttnTile
@@ -301,12 +301,13 @@ void online_softmax_row(T* s, std::int64_t n, std::int64_t bc, T sc, T& m, doubl
   for (std::int64_t j = n; j < bc; ++j) s[j] = T(0);
 }
 
-// One (batch, head, query tile starting at row r0): y's and lse's rows r0 .. r0 + br.
-template <class T>
-void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int64_t b, std::int64_t h,
+// One (batch, head, query tile starting at row r0): y's and lse's rows r0 .. r0 + br. qkv is T, or
+// (native only) its bf16 copy.
+template <class T, class Q>
+void flash_forward_tile(const Q* qkv, T* y, T* lse, const AttnDims& d, std::int64_t b, std::int64_t h,
                         std::int64_t r0, FlashFwdScratch<T>& w) {
   const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), ld = 3 * C, br = std::min(kAttnTile, Tn - r0);
-  const T* head = qkv + b * Tn * ld + h * hs;  // q of row 0; k at + C, v at + 2C
+  const Q* head = qkv + b * Tn * ld + h * hs;  // q of row 0; k at + C, v at + 2C
   T* o = y + (b * Tn + r0) * C + h * hs;
   const T sc = static_cast<T>(d.scale);
   const std::int64_t hp = (hs + 1) / 2;  // words of a head's row (native)
@@ -317,7 +318,8 @@ void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int6
       words_along_rows(head + r0 * ld, ld, br, hs, w.qw.data(), hp);
       key_words(head, d, b * d.H + h, kend, w);
     }
-  if (!w.native) q = tile_operand(d.bf16, head + r0 * ld, ld, br, hs, w.q.data());
+  if constexpr (std::is_same_v<Q, T>)
+    if (!w.native) q = tile_operand(d.bf16, head + r0 * ld, ld, br, hs, w.q.data());
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<T>::infinity());
   std::fill(w.l.begin(), w.l.end(), 0.0);
   for (std::int64_t c0 = 0; c0 < kend; c0 += kAttnTile) {
@@ -329,12 +331,13 @@ void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int6
       if (w.native)  // S = q k^T, on vdpbf16ps
         tile_product_dpbf16(diag ? Tri::lower_c : Tri::none, br, bc, hs, w.qw.data(), hp, 1, w.kw.data() + c0 * hp,
                             kAttnTile, s, kAttnTile, false);
-    if (!w.native) {
-      transpose_tile(d.bf16, head + C + c0 * ld, ld, bc, hs, w.kt.data());
-      v = tile_operand(d.bf16, head + 2 * C + c0 * ld, ld, bc, hs, w.v.data());
-      tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {q.p, q.ld, 1}, w.kt.data(), kAttnTile, s,
-                      kAttnTile, false);  // S = q k^T
-    }
+    if constexpr (std::is_same_v<Q, T>)
+      if (!w.native) {
+        transpose_tile(d.bf16, head + C + c0 * ld, ld, bc, hs, w.kt.data());
+        v = tile_operand(d.bf16, head + 2 * C + c0 * ld, ld, bc, hs, w.v.data());
+        tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {q.p, q.ld, 1}, w.kt.data(), kAttnTile, s,
+                        kAttnTile, false);  // S = q k^T
+      }
     for (std::int64_t r = 0; r < br; ++r)
       online_softmax_row(s + r * kAttnTile, attn_valid(d, r0 + r, c0, bc), bc, sc, w.m[r], w.l[r], w.alpha[r]);
     if (c0 > 0)
@@ -360,10 +363,13 @@ void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int6
   }
 }
 
-// qkv (B, T, 3C) -> y (B, T, C), lse (B, H, T)
-template <class T>
-void flash_attention_forward(const T* qkv, T* y, T* lse, const AttnDims& d) {
+// qkv (B, T, 3C) -> y (B, T, C), lse (B, H, T). With d.bf16 on vdpbf16ps (attention_dpbf16()),
+// qkv may be its bf16 copy (what an autocast scope's op keeps for the backward): the words are
+// the same bits, without rounding qkv a second time.
+template <class T, class Q>
+void flash_attention_forward(const Q* qkv, T* y, T* lse, const AttnDims& d) {
   assert((!d.bf16 || std::is_same_v<T, float>));
+  assert((std::is_same_v<Q, T> || (d.bf16 && attention_dpbf16() && std::is_same_v<Q, bf16>)));
   const std::int64_t hs = d.hs(), tiles = (d.Tn + kAttnTile - 1) / kAttnTile, items = d.B * d.H * tiles;
   if (hs == 0) {  // no channels: y is empty, and each row's softmax over zero scores is uniform
     for (std::int64_t r = 0; r < d.B * d.H * d.Tn; ++r) {

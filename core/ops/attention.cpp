@@ -57,23 +57,30 @@ Tensor causal_attention(const Tensor& qkv, std::int64_t H) {
   // softmax statistics and the sums stay float32); the backward makes its products the same way.
   const kernels::AttnDims d{B, Tn, C, H, detail::attention_scale(C / H), true, detail::products_in_bf16(qkv.dtype())};
   Tensor y = Tensor::empty({B, Tn, C}, qkv.dtype()), lse = Tensor::empty({B, H, Tn}, qkv.dtype());
+  // With bf16 products the backward keeps qkv's bf16 copy (below). On vdpbf16ps the forward's
+  // words come from that copy too: the same bits, and qkv rounded once.
+  const bool recording = should_record({&qkv}), copies = recording && d.bf16 && y.numel() > 0;
+  const Tensor qkv_b = copies ? detail::activation_bf16(qkv) : Tensor();
   if (y.numel() > 0)
     detail::dispatch_float(op, qkv.dtype(), [&](auto z) {
       using T = decltype(z);
+      if constexpr (std::is_same_v<T, float>)
+        if (qkv_b.defined() && kernels::attention_dpbf16())
+          return kernels::flash_attention_forward(static_cast<const kernels::bf16*>(qkv_b.raw_data()), y.data<T>(),
+                                                  lse.data<T>(), d);
       kernels::flash_attention_forward(qkv.data<T>(), y.data<T>(), lse.data<T>(), d);
     });
-  if (should_record({&qkv})) {
+  if (recording) {
     // What the backward needs of the softmax is each row's log-sum-exp: it recomputes the
     // probabilities tile by tile, and keeps nothing of size T x T. With bf16 products, qkv is
     // kept as its bf16 copy: the backward's products round q, k and v to bf16 anyway, so the bits
-    // are the same, in half the memory. (The forward rounds its tiles from the float qkv: the
-    // copy's k tiles would be transposed element by element, docs/performance.md.) So is y, which
-    // the backward reads only for D_i = dy_i . y_i (docs/attention.md gives the bound): y's copy is
-    // made last, so that the output projection's Linear, the next op to ask for one, is handed
-    // this same copy by activation_bf16, and y's float32 memory is not kept at all.
+    // are the same, in half the memory. (The float path's forward rounds its tiles from the float
+    // qkv: the copy's k tiles would be transposed element by element, docs/performance.md.) So is
+    // y, which the backward reads only for D_i = dy_i . y_i (docs/attention.md gives the bound):
+    // y's copy is made last, so that the output projection's Linear, the next op to ask for one,
+    // is handed this same copy by activation_bf16, and y's float32 memory is not kept at all.
     struct Saved { Tensor qkv, y, lse; };  // (B, T, 3C), (B, T, C), float or both bf16; (B, H, T)
-    const bool copies = d.bf16 && y.numel() > 0;
-    Saved saved{copies ? detail::activation_bf16(qkv) : qkv.detach(), Tensor(), lse};
+    Saved saved{copies ? qkv_b : qkv.detach(), Tensor(), lse};
     saved.y = copies ? detail::activation_bf16(y) : y.detach();
     record(op, {&qkv}, {&y}, std::move(saved), [d](Node& n, const Saved& s) {
       if (n.grad_out().numel() == 0) return detail::pass_zeros(n, 0);  // no outputs (T = 0 or C = 0)
