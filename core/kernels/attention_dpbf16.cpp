@@ -36,10 +36,12 @@ constexpr i64 kChunk = 512;  // values of a row converted at a time (1 KB of sta
 void row_bf16(const float* s, bf16* d, i64 n) { bf16_impl::to_bf16_avx512(s, d, n); }
 void row_bf16(const bf16* s, bf16* d, i64 n) { std::memcpy(d, s, static_cast<std::size_t>(n) * sizeof(bf16)); }
 
+}  // namespace
+
 // A row's bf16 values are its words in memory order (element 2p the low half of word p): one
 // conversion per row, and a zero high half after an odd end (memset: the row is u32 storage).
 template <class T>
-void along_rows(const T* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
+void words_along_rows(const T* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
   assert(attention_dpbf16());
   for (i64 r = 0; r < rows; ++r) {
     prefetch_rows(x, ld, r + 8, 1, rows, cols);
@@ -50,7 +52,7 @@ void along_rows(const T* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
 
 // Each row converted a chunk at a time, its words then stored down a column of out.
 template <class T>
-void along_rows_t(const T* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
+void words_along_rows_t(const T* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
   assert(attention_dpbf16());
   alignas(64) std::uint16_t h[kChunk + 1];
   for (i64 r = 0; r < rows; ++r) {
@@ -66,7 +68,7 @@ void along_rows_t(const T* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
 
 // Two rows converted a chunk at a time, then interleaved: the first row's values the low halves.
 template <class T>
-void down_cols(const T* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
+void words_down_cols(const T* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
   assert(attention_dpbf16());
   alignas(64) std::uint16_t h0[kChunk], h1[kChunk];
   for (i64 p = 0; 2 * p < rows; ++p) {
@@ -83,18 +85,12 @@ void down_cols(const T* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
   }
 }
 
-}  // namespace
-
-void words_along_rows(const float* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) { along_rows(x, ld, rows, cols, out, ldo); }
-void words_along_rows(const bf16* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) { along_rows(x, ld, rows, cols, out, ldo); }
-void words_along_rows_t(const float* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
-  along_rows_t(x, ld, rows, cols, out, ldo);
-}
-void words_along_rows_t(const bf16* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) {
-  along_rows_t(x, ld, rows, cols, out, ldo);
-}
-void words_down_cols(const float* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) { down_cols(x, ld, rows, cols, out, ldo); }
-void words_down_cols(const bf16* x, i64 ld, i64 rows, i64 cols, u32* out, i64 ldo) { down_cols(x, ld, rows, cols, out, ldo); }
+template void words_along_rows(const float*, i64, i64, i64, u32*, i64);
+template void words_along_rows(const bf16*, i64, i64, i64, u32*, i64);
+template void words_along_rows_t(const float*, i64, i64, i64, u32*, i64);
+template void words_along_rows_t(const bf16*, i64, i64, i64, u32*, i64);
+template void words_down_cols(const float*, i64, i64, i64, u32*, i64);
+template void words_down_cols(const bf16*, i64, i64, i64, u32*, i64);
 
 // ---- The product ----
 

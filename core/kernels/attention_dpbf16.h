@@ -23,26 +23,25 @@
 
 namespace tg::kernels {
 
+// The word makers, for T = float or bf16.
+//
 // x (rows, cols, leading dimension ld) along its rows: out[r ldo + p] = (x(r, 2p), x(r, 2p + 1))
 // for p < ceil(cols / 2). A row-major A operand (si = ldo, sk = 1).
-void words_along_rows(const float* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, std::uint32_t* out,
-                      std::int64_t ldo);
-void words_along_rows(const bf16* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, std::uint32_t* out,
+template <class T>
+void words_along_rows(const T* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, std::uint32_t* out,
                       std::int64_t ldo);
 
 // The same words transposed: out[p ldo + r] = (x(r, 2p), x(r, 2p + 1)). A B operand whose sum runs
 // along x's rows (k^T for the scores, v^T for dP).
-void words_along_rows_t(const float* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, std::uint32_t* out,
-                        std::int64_t ldo);
-void words_along_rows_t(const bf16* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, std::uint32_t* out,
+template <class T>
+void words_along_rows_t(const T* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, std::uint32_t* out,
                         std::int64_t ldo);
 
 // x down its columns: out[p ldo + c] = (x(2p, c), x(2p + 1, c)) for p < ceil(rows / 2). A B
 // operand whose sum runs down x's rows (v, dY, k, q), or a transposed A (P^T, dS^T: si = 1,
 // sk = ldo).
-void words_down_cols(const float* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, std::uint32_t* out,
-                     std::int64_t ldo);
-void words_down_cols(const bf16* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, std::uint32_t* out,
+template <class T>
+void words_down_cols(const T* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, std::uint32_t* out,
                      std::int64_t ldo);
 
 // True where the attention's bf16 products take this path: isa() >= avx512_bf16 (kernels/isa.h).
