@@ -261,13 +261,12 @@ void transpose_tile(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, s
 // items run a head's query tiles in turn, and each reuses the key tiles the ones before it made.
 template <class T>
 struct FlashFwdScratch {
-  bool native;
   std::vector<T> s, kt, q, v, m, alpha;
   std::vector<double> l;
   std::vector<std::uint32_t> qw, pw, kw, vw;
   std::int64_t bh = -1, keys = 0;
   FlashFwdScratch(std::int64_t Tn, std::int64_t hs, bool bf16, bool nat)
-      : native(nat), s(kAttnTile * kAttnTile), kt(nat ? 0 : hs * kAttnTile), q(bf16 && !nat ? kAttnTile * hs : 0),
+      : s(kAttnTile * kAttnTile), kt(nat ? 0 : hs * kAttnTile), q(bf16 && !nat ? kAttnTile * hs : 0),
         v(q.size()), m(kAttnTile), alpha(kAttnTile), l(kAttnTile), qw(nat ? kAttnTile * ((hs + 1) / 2) : 0),
         pw(nat ? kAttnTile * kAttnTile / 2 : 0),
         kw(nat ? (Tn + kAttnTile - 1) / kAttnTile * kAttnTile * ((hs + 1) / 2) : 0), vw(nat ? (Tn + 1) / 2 * hs : 0) {}
@@ -301,66 +300,84 @@ void online_softmax_row(T* s, std::int64_t n, std::int64_t bc, T sc, T& m, doubl
   for (std::int64_t j = n; j < bc; ++j) s[j] = T(0);
 }
 
-// One (batch, head, query tile starting at row r0): y's and lse's rows r0 .. r0 + br. qkv is T, or
-// (native only) its bf16 copy.
-template <class T, class Q>
-void flash_forward_tile(const Q* qkv, T* y, T* lse, const AttnDims& d, std::int64_t b, std::int64_t h,
+// One key tile's softmax step over the query tile's rows: s holds the scores S (Br, Bc) on entry
+// and P on return; o's rows (leading dimension C) take the rescaling alpha of the running maximum.
+template <class T>
+void softmax_step(T* s, T* o, const AttnDims& d, std::int64_t r0, std::int64_t c0, std::int64_t br, std::int64_t bc,
+                  FlashFwdScratch<T>& w) {
+  const T sc = static_cast<T>(d.scale);
+  for (std::int64_t r = 0; r < br; ++r)
+    online_softmax_row(s + r * kAttnTile, attn_valid(d, r0 + r, c0, bc), bc, sc, w.m[r], w.l[r], w.alpha[r]);
+  if (c0 > 0)
+    for (std::int64_t r = 0; r < br; ++r)
+      if (w.alpha[r] != T(1))
+        for (std::int64_t e = 0; e < d.hs(); ++e) o[r * d.C + e] *= w.alpha[r];
+}
+
+// The query tile's end: y_i = o_i / l_i and lse_i = m_i + log l_i.
+template <class T>
+void finish_rows(T* o, T* lse, const AttnDims& d, std::int64_t b, std::int64_t h, std::int64_t r0, std::int64_t br,
+                 FlashFwdScratch<T>& w) {
+  T* L = lse + (b * d.H + h) * d.Tn + r0;
+  for (std::int64_t r = 0; r < br; ++r) {
+    const T inv = static_cast<T>(1.0 / w.l[r]);
+    for (std::int64_t e = 0; e < d.hs(); ++e) o[r * d.C + e] *= inv;
+    L[r] = static_cast<T>(w.m[r] + std::log(w.l[r]));
+  }
+}
+
+// One (batch, head, query tile starting at row r0): y's and lse's rows r0 .. r0 + br.
+template <class T>
+void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int64_t b, std::int64_t h,
                         std::int64_t r0, FlashFwdScratch<T>& w) {
   const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), ld = 3 * C, br = std::min(kAttnTile, Tn - r0);
-  const Q* head = qkv + b * Tn * ld + h * hs;  // q of row 0; k at + C, v at + 2C
+  const T* head = qkv + b * Tn * ld + h * hs;  // q of row 0; k at + C, v at + 2C
   T* o = y + (b * Tn + r0) * C + h * hs;
-  const T sc = static_cast<T>(d.scale);
-  const std::int64_t hp = (hs + 1) / 2;  // words of a head's row (native)
+  const TileOperand<T> q = tile_operand(d.bf16, head + r0 * ld, ld, br, hs, w.q.data());
   const std::int64_t kend = d.causal ? r0 + br : Tn;
-  TileOperand<T> q{};
-  if constexpr (std::is_same_v<T, float>)
-    if (w.native) {
-      words_along_rows(head + r0 * ld, ld, br, hs, w.qw.data(), hp);
-      key_words(head, d, b * d.H + h, kend, w);
-    }
-  if constexpr (std::is_same_v<Q, T>)
-    if (!w.native) q = tile_operand(d.bf16, head + r0 * ld, ld, br, hs, w.q.data());
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<T>::infinity());
   std::fill(w.l.begin(), w.l.end(), 0.0);
   for (std::int64_t c0 = 0; c0 < kend; c0 += kAttnTile) {
     const std::int64_t bc = std::min(kAttnTile, kend - c0);
     const bool diag = d.causal && c0 == r0;  // the tile the mask cuts: br = bc there
+    transpose_tile(d.bf16, head + C + c0 * ld, ld, bc, hs, w.kt.data());
+    const TileOperand<T> v = tile_operand(d.bf16, head + 2 * C + c0 * ld, ld, bc, hs, w.v.data());
     T* s = w.s.data();
-    TileOperand<T> v{};
-    if constexpr (std::is_same_v<T, float>)
-      if (w.native)  // S = q k^T, on vdpbf16ps
-        tile_product_dpbf16(diag ? Tri::lower_c : Tri::none, br, bc, hs, w.qw.data(), hp, 1, w.kw.data() + c0 * hp,
-                            kAttnTile, s, kAttnTile, false);
-    if constexpr (std::is_same_v<Q, T>)
-      if (!w.native) {
-        transpose_tile(d.bf16, head + C + c0 * ld, ld, bc, hs, w.kt.data());
-        v = tile_operand(d.bf16, head + 2 * C + c0 * ld, ld, bc, hs, w.v.data());
-        tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {q.p, q.ld, 1}, w.kt.data(), kAttnTile, s,
-                        kAttnTile, false);  // S = q k^T
-      }
-    for (std::int64_t r = 0; r < br; ++r)
-      online_softmax_row(s + r * kAttnTile, attn_valid(d, r0 + r, c0, bc), bc, sc, w.m[r], w.l[r], w.alpha[r]);
-    if (c0 > 0)
-      for (std::int64_t r = 0; r < br; ++r)
-        if (w.alpha[r] != T(1))
-          for (std::int64_t e = 0; e < hs; ++e) o[r * C + e] *= w.alpha[r];
-    if constexpr (std::is_same_v<T, float>)
-      if (w.native) {  // o = o alpha + P v, on vdpbf16ps
-        words_along_rows(s, kAttnTile, br, bc, w.pw.data(), kAttnTile / 2);
-        tile_product_dpbf16(diag ? Tri::lower_a : Tri::none, br, hs, bc, w.pw.data(), kAttnTile / 2, 1,
-                            w.vw.data() + c0 / 2 * hs, hs, o, C, c0 > 0);
-        continue;
-      }
+    tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {q.p, q.ld, 1}, w.kt.data(), kAttnTile, s, kAttnTile,
+                    false);  // S = q k^T
+    softmax_step(s, o, d, r0, c0, br, bc, w);
     if (d.bf16) round_bf16_block(s, kAttnTile, br, bc, s, kAttnTile);
     tile_product<T>(diag ? Tri::lower_a : Tri::none, br, hs, bc, {s, kAttnTile, 1}, v.p, v.ld, o, C,
                     c0 > 0);  // o = o alpha + P v
   }
-  T* L = lse + (b * d.H + h) * Tn + r0;
-  for (std::int64_t r = 0; r < br; ++r) {
-    const T inv = static_cast<T>(1.0 / w.l[r]);
-    for (std::int64_t e = 0; e < hs; ++e) o[r * C + e] *= inv;
-    L[r] = static_cast<T>(w.m[r] + std::log(w.l[r]));
+  finish_rows(o, lse, d, b, h, r0, br, w);
+}
+
+// flash_forward_tile on vdpbf16ps (float32, native): the same two products and softmax, the
+// operands as words. qkv is float, or its bf16 copy.
+template <class Q>
+void flash_forward_tile_dpbf16(const Q* qkv, float* y, float* lse, const AttnDims& d, std::int64_t b, std::int64_t h,
+                               std::int64_t r0, FlashFwdScratch<float>& w) {
+  const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), hp = (hs + 1) / 2, ld = 3 * C, br = std::min(kAttnTile, Tn - r0);
+  const Q* head = qkv + b * Tn * ld + h * hs;  // q of row 0; k at + C, v at + 2C
+  float* o = y + (b * Tn + r0) * C + h * hs;
+  const std::int64_t kend = d.causal ? r0 + br : Tn;
+  words_along_rows(head + r0 * ld, ld, br, hs, w.qw.data(), hp);
+  key_words(head, d, b * d.H + h, kend, w);
+  std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.end(), 0.0);
+  for (std::int64_t c0 = 0; c0 < kend; c0 += kAttnTile) {
+    const std::int64_t bc = std::min(kAttnTile, kend - c0);
+    const bool diag = d.causal && c0 == r0;
+    float* s = w.s.data();
+    tile_product_dpbf16(diag ? Tri::lower_c : Tri::none, br, bc, hs, w.qw.data(), hp, 1, w.kw.data() + c0 * hp,
+                        kAttnTile, s, kAttnTile, false);  // S = q k^T
+    softmax_step(s, o, d, r0, c0, br, bc, w);
+    words_along_rows(s, kAttnTile, br, bc, w.pw.data(), kAttnTile / 2);
+    tile_product_dpbf16(diag ? Tri::lower_a : Tri::none, br, hs, bc, w.pw.data(), kAttnTile / 2, 1,
+                        w.vw.data() + c0 / 2 * hs, hs, o, C, c0 > 0);  // o = o alpha + P v
   }
+  finish_rows(o, lse, d, b, h, r0, br, w);
 }
 
 // qkv (B, T, 3C) -> y (B, T, C), lse (B, H, T). With d.bf16 on vdpbf16ps (attention_dpbf16()),
@@ -382,8 +399,13 @@ void flash_attention_forward(const Q* qkv, T* y, T* lse, const AttnDims& d) {
   parallel_for(items, d.B * d.H * d.Tn * d.Tn * hs, [&](std::int64_t lo, std::int64_t hi) {
     FlashFwdScratch<T> w(d.Tn, hs, d.bf16, native);
     for (std::int64_t it = lo; it < hi; ++it) {
-      const std::int64_t bh = it / tiles;
-      flash_forward_tile(qkv, y, lse, d, bh / d.H, bh % d.H, it % tiles * kAttnTile, w);
+      const std::int64_t bh = it / tiles, b = bh / d.H, h = bh % d.H, r0 = it % tiles * kAttnTile;
+      if constexpr (std::is_same_v<T, float>)
+        if (native) {
+          flash_forward_tile_dpbf16(qkv, y, lse, d, b, h, r0, w);
+          continue;
+        }
+      if constexpr (std::is_same_v<Q, T>) flash_forward_tile(qkv, y, lse, d, b, h, r0, w);
     }
   });
 }
@@ -496,13 +518,6 @@ inline void flash_backward_pair_dpbf16(float* dq, float* dk, float* dv, const fl
   tile_product_dpbf16(diag ? Tri::upper_a : Tri::none, bc, hs, br, w.dsc.data(), 1, kAttnTile, qc, hs, dk + c0 * ld,
                       ld, !first_i);  // dk_j (+)= dS^T q_i
 }
-
-// y's element as a number: float or double, or a bf16 widened exactly.
-template <class T>
-inline double widen(T x) {
-  return static_cast<double>(x);
-}
-inline double widen(bf16 x) { return static_cast<double>(to_float(x)); }
 
 // One (batch, head): its blocks of dqkv, key tiles outside, query tiles inside. qkv and y are T,
 // or (bf16 only) their bf16 copies.

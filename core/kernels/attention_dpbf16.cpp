@@ -1,4 +1,4 @@
-// Causal attention's tile products on vdpbf16ps (attention_dpbf16.h has what they compute).
+// The attention kernels' tile products on vdpbf16ps (attention_dpbf16.h has what they compute).
 #include "kernels/attention_dpbf16.h"
 
 #include <algorithm>
@@ -7,8 +7,7 @@
 
 #include "kernels/isa.h"
 
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
-#define TG_ATTN_X86 1
+#ifdef TG_KERNELS_X86
 #include <immintrin.h>
 #endif
 
@@ -18,7 +17,7 @@ using i64 = std::int64_t;
 using u32 = std::uint32_t;
 
 bool attention_dpbf16() {
-#ifdef TG_ATTN_X86
+#ifdef TG_KERNELS_X86
   return isa() >= Isa::avx512_bf16;
 #else
   return false;
@@ -27,16 +26,8 @@ bool attention_dpbf16() {
 
 // ---- Words ----
 
-namespace {
-
+using bf16_impl::row_bf16;
 constexpr i64 kChunk = 512;  // values of a row converted at a time (1 KB of stack a row)
-
-// n values of a row as bf16: floats rounded by the array conversion (AVX512_BF16 is there, so its
-// vectorised form), bf16 copied.
-void row_bf16(const float* s, bf16* d, i64 n) { bf16_impl::to_bf16_avx512(s, d, n); }
-void row_bf16(const bf16* s, bf16* d, i64 n) { std::memcpy(d, s, static_cast<std::size_t>(n) * sizeof(bf16)); }
-
-}  // namespace
 
 // A row's bf16 values are its words in memory order (element 2p the low half of word p): one
 // conversion per row, and a zero high half after an odd end (memset: the row is u32 storage).
@@ -94,7 +85,7 @@ template void words_down_cols(const bf16*, i64, i64, i64, u32*, i64);
 
 // ---- The product ----
 
-#ifdef TG_ATTN_X86
+#ifdef TG_KERNELS_X86
 namespace {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
@@ -161,7 +152,7 @@ void dp_rows(const u32* A, i64 si, i64 sk, i64 i0, const u32* B, i64 ldb, i64 n,
 
 void tile_product_dpbf16(Tri tri, i64 M, i64 N, i64 K, const u32* A, i64 si, i64 sk, const u32* B, i64 ldb, float* C,
                          i64 ldc, bool acc) {
-#ifdef TG_ATTN_X86
+#ifdef TG_KERNELS_X86
   assert(attention_dpbf16());
   for (i64 i0 = 0; i0 < M; i0 += kRows) {
     const i64 rows = std::min<i64>(kRows, M - i0), last = i0 + rows;

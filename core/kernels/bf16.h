@@ -65,6 +65,13 @@ namespace bf16_impl {
 // one (call it only when cpu_has_avx512_bf16()).
 void to_bf16_portable(const float* x, bf16* y, std::int64_t n);
 void to_bf16_avx512(const float* x, bf16* y, std::int64_t n);
+
+// n values as bf16 for the AVX512_BF16 packers (the bf16 product's, the attention's words):
+// floats through to_bf16_avx512, bf16 copied as they are. Only where cpu_has_avx512_bf16().
+inline void row_bf16(const float* x, bf16* y, std::int64_t n) { to_bf16_avx512(x, y, n); }
+inline void row_bf16(const bf16* x, bf16* y, std::int64_t n) {
+  std::memcpy(y, x, static_cast<std::size_t>(n) * sizeof(bf16));
+}
 }  // namespace bf16_impl
 
 }  // namespace tg::kernels

@@ -27,6 +27,13 @@
 
 namespace tg::kernels {
 
+// A value as a double: float or double as it is, a bf16 widened exactly.
+template <class T>
+inline double widen(T x) {
+  return static_cast<double>(x);
+}
+inline double widen(bf16 x) { return static_cast<double>(to_float(x)); }
+
 inline constexpr std::int64_t kReduceBlock = 256;  // columns handled together when I > 1
 
 // sum_{j < n} f(j) in double, as 16 interleaved partial sums added in a fixed order at the end: the
@@ -103,12 +110,7 @@ void for_reduce_blocks(std::int64_t O, std::int64_t R, std::int64_t I, F&& body)
 }
 
 // x (O, R, I) -> y (O, I): y[o, i] = scale * sum_r x[o, r, i]   (scale = 1 for sum, 1/R for mean).
-// X is T, or bf16 (a bias gradient under autocast), whose values are exact in double.
-inline double as_double(bf16 x) { return static_cast<double>(to_float(x)); }
-template <class T>
-inline double as_double(T x) {
-  return static_cast<double>(x);
-}
+// X is T, or bf16 (a bias gradient under autocast), whose values are exact in double (widen).
 template <class X, class T>
 void sum_forward(const X* x, T* y, std::int64_t O, std::int64_t R, std::int64_t I, double scale) {
   static_assert(std::is_same_v<X, T> || std::is_same_v<X, bf16>, "sum_forward reads T or bf16");
@@ -119,7 +121,7 @@ void sum_forward(const X* x, T* y, std::int64_t O, std::int64_t R, std::int64_t 
     for (std::int64_t o = 0; o < O; ++o) {
       const std::vector<double> tot = rows_with_partials(R, I, R * I, [&](std::int64_t r, double* acc) {
         const X* row = x + (o * R + r) * I;
-        for (std::int64_t i = 0; i < I; ++i) acc[i] += as_double(row[i]);
+        for (std::int64_t i = 0; i < I; ++i) acc[i] += widen(row[i]);
       });
       for (std::int64_t i = 0; i < I; ++i) y[o * I + i] = static_cast<T>(tot[static_cast<std::size_t>(i)] * scale);
     }
@@ -129,7 +131,7 @@ void sum_forward(const X* x, T* y, std::int64_t O, std::int64_t R, std::int64_t 
     double acc[kReduceBlock] = {};
     for (std::int64_t r = 0; r < R; ++r) {
       const X* row = x + (o * R + r) * I;
-      for (std::int64_t i = i0; i < i1; ++i) acc[i - i0] += as_double(row[i]);
+      for (std::int64_t i = i0; i < i1; ++i) acc[i - i0] += widen(row[i]);
     }
     for (std::int64_t i = i0; i < i1; ++i) y[o * I + i] = static_cast<T>(acc[i - i0] * scale);
   });

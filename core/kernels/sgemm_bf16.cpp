@@ -300,11 +300,6 @@ void kernel_native(i64 pairs, const u32* A, i64 row, const u32* Bp, float* C, i6
       }
 }
 
-// n elements of a row of op(B) as bf16: floats rounded (to_bf16's vectorised conversion), bf16
-// copied.
-inline void row_bf16(const float* s, bf16* d, i64 n) { bf16_impl::to_bf16_avx512(s, d, n); }
-inline void row_bf16(const bf16* s, bf16* d, i64 n) { std::memcpy(d, s, static_cast<std::size_t>(n) * sizeof(bf16)); }
-
 // Sixteen rows of 16 words in r become its sixteen columns: 4 x 4 blocks within each 128-bit
 // lane by 32- and 64-bit unpacks, then the lanes gathered across registers. (The maskz forms:
 // GCC 12 warns of the plain forms' undefined merge operand.)
@@ -349,7 +344,7 @@ void pack_b_trans_native(const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32
       for (i64 i = 0; i < 16; ++i) {
         auto* row = reinterpret_cast<bf16*>(w[i]);
         const i64 j = j0 + i, values = j < nc ? kn : 0;
-        if (values) row_bf16(B + (n0 + j) * ld + k0 + 2 * c0, row, values);
+        if (values) bf16_impl::row_bf16(B + (n0 + j) * ld + k0 + 2 * c0, row, values);
         std::fill(row + values, row + 2 * round_up(cw, 16), bf16{0});
       }
       for (i64 p0 = 0; p0 < cw; p0 += 16) {

@@ -128,9 +128,10 @@ void mlp_forward(const Tensor& x, MlpSaved& s, const Tensor& b1, const Tensor& b
                                  d.out, d.bf16, add.epilogue()});
 }
 
-// Column sums of G (rows, n) into the gradient of a bias, when it is wanted.
-template <class T, class G_>
-void pass_bias_grad(Node& n, int slot, const G_* G, i64 rows, i64 cols) {
+// Column sums of G (rows, n; T, or bf16 under autocast) into the gradient of a bias, when it is
+// wanted.
+template <class T, class X>
+void pass_bias_grad(Node& n, int slot, const X* G, i64 rows, i64 cols) {
   Tensor db = n.new_grad(slot);
   if (db.defined()) kernels::sum_forward(G, db.data<T>(), 1, rows, cols, 1.0);
   n.pass_grad(slot, std::move(db));
