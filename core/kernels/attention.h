@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -386,7 +387,10 @@ void flash_forward_tile_dpbf16(const Q* qkv, float* y, float* lse, const AttnDim
 template <class T, class Q>
 void flash_attention_forward(const Q* qkv, T* y, T* lse, const AttnDims& d) {
   assert((!d.bf16 || std::is_same_v<T, float>));
-  assert((std::is_same_v<Q, T> || (d.bf16 && attention_dpbf16() && std::is_same_v<Q, bf16>)));
+  static_assert(std::is_same_v<Q, T> || std::is_same_v<Q, bf16>, "qkv is T or its bf16 copy");
+  const bool native = d.bf16 && attention_dpbf16();
+  if constexpr (!std::is_same_v<Q, T>)  // only the words read a bf16 copy: no tile would run
+    if (!native) throw std::logic_error("flash_attention_forward: a bf16 qkv needs bf16 products on vdpbf16ps");
   const std::int64_t hs = d.hs(), tiles = (d.Tn + kAttnTile - 1) / kAttnTile, items = d.B * d.H * tiles;
   if (hs == 0) {  // no channels: y is empty, and each row's softmax over zero scores is uniform
     for (std::int64_t r = 0; r < d.B * d.H * d.Tn; ++r) {
@@ -395,7 +399,6 @@ void flash_attention_forward(const Q* qkv, T* y, T* lse, const AttnDims& d) {
     }
     return;
   }
-  const bool native = d.bf16 && attention_dpbf16();
   parallel_for(items, d.B * d.H * d.Tn * d.Tn * hs, [&](std::int64_t lo, std::int64_t hi) {
     FlashFwdScratch<T> w(d.Tn, hs, d.bf16, native);
     for (std::int64_t it = lo; it < hi; ++it) {
@@ -512,7 +515,9 @@ inline void flash_backward_pair_dpbf16(float* dq, float* dk, float* dv, const fl
                       kAttnTile, dp, kAttnTile, false);  // dP = dy_i v_j^T
   score_grads_tile(p, dp, w.D.data(), d, r0, c0, br, bc);
   words_along_rows(dp, kAttnTile, br, bc, w.sr.data(), kAttnTile / 2);
-  words_down_cols(dp, kAttnTile, br, bc, w.dsc.data(), kAttnTile);
+  // sr's rows are dS's bf16 values in order (its words along rows): dS^T's words come from them,
+  // without rounding dS again.
+  words_down_cols(reinterpret_cast<const bf16*>(w.sr.data()), kAttnTile, br, bc, w.dsc.data(), kAttnTile);
   tile_product_dpbf16(diag ? Tri::lower_a : Tri::none, br, hs, bc, w.sr.data(), kAttnTile / 2, 1, kc, hs,
                       dq + r0 * ld, ld, c0 > 0);  // dq_i (+)= dS k_j
   tile_product_dpbf16(diag ? Tri::upper_a : Tri::none, bc, hs, br, w.dsc.data(), 1, kAttnTile, qc, hs, dk + c0 * ld,

@@ -232,7 +232,10 @@ TEST_CASE("tiled attention: the same bits at 1, 2 and 3 threads") {
 }
 
 TEST_CASE("tiled attention's two bf16 paths both run, and differ only in the last places") {
-  if (!kernels::cpu_has_avx512_bf16()) return;  // one path only on this CPU
+  if (!kernels::cpu_has_avx512_bf16()) {
+    WARN("this CPU has no AVX512_BF16: only the float32 path of rounded operands runs");
+    return;
+  }
   const Shape4 s{2, 2 * kTile + 5, 30, 2};
   const auto qkv = values<float>({2, 2 * kTile + 5, 90}, 23), dy = values<float>({2, 2 * kTile + 5, 30}, 24);
   Outputs<float> f, v;
@@ -249,6 +252,15 @@ TEST_CASE("tiled attention's two bf16 paths both run, and differ only in the las
   // Both hold the same rounded operands: the sums differ by float32 roundings, far below bf16's.
   CHECK(max_diff(v.y, std::vector<double>(f.y.begin(), f.y.end())) < 1e-3);
   CHECK(max_diff(v.dqkv, std::vector<double>(f.dqkv.begin(), f.dqkv.end())) < 1e-3);
+}
+
+TEST_CASE("tiled attention refuses a bf16 qkv where no vdpbf16ps path would read it") {
+  const Shape4 s{1, 5, 8, 2};
+  const std::vector<kernels::bf16> qkv(5 * 24);
+  std::vector<float> y(5 * 8), lse(2 * 5);
+  IsaScope scope(kernels::Isa::portable);  // the float32 path: it reads qkv as floats only
+  CHECK_THROWS_AS(kernels::flash_attention_forward(qkv.data(), y.data(), lse.data(), dims(s, true, true)),
+                  std::logic_error);
 }
 
 TEST_CASE("causal attention keeps qkv, y and lse for its backward: nothing of size T x T") {
@@ -474,7 +486,10 @@ DpOperands dp_operands(const std::vector<T>& a, const std::vector<T>& at, const 
 }  // namespace
 
 TEST_CASE("attention's vdpbf16ps tile products give gemm_bf16's bits at every tile edge") {
-  if (!kernels::cpu_has_avx512_bf16()) return;  // the path runs only where the CPU has AVX512_BF16
+  if (!kernels::cpu_has_avx512_bf16()) {
+    WARN("this CPU has no AVX512_BF16: the vdpbf16ps tile products do not run");
+    return;
+  }
   IsaScope scope(kernels::Isa::avx512_bf16);
   // The last shape crosses the word makers' chunks of 512 values, in K and in N.
   std::vector<std::array<std::int64_t, 3>> shapes{{7, 530, 531}};
@@ -504,7 +519,10 @@ TEST_CASE("attention's vdpbf16ps tile products give gemm_bf16's bits at every ti
 }
 
 TEST_CASE("attention's vdpbf16ps tile products skip only what the causal masks make zero or unneeded") {
-  if (!kernels::cpu_has_avx512_bf16()) return;
+  if (!kernels::cpu_has_avx512_bf16()) {
+    WARN("this CPU has no AVX512_BF16: the vdpbf16ps tile products do not run");
+    return;
+  }
   IsaScope scope(kernels::Isa::avx512_bf16);
   using kernels::Tri;
   for (std::int64_t T : {1, 7, 17, 63, 64}) {
