@@ -146,16 +146,12 @@ double number(const std::string& s) {
 }
 
 // The median of the step times of a train_log.csv (ms, its 4th column), leaving out the first
-// min(10, n/2) steps as the trainer does.
+// steps as the trainer does (steady_median_ms).
 double median_step_ms(const fs::path& file) {
   std::vector<double> ms;
   for (const auto& row : csv_rows(file))
     if (row.size() == 4) ms.push_back(number(row[3]));
-  if (ms.empty()) return NAN;
-  const auto skip = static_cast<std::ptrdiff_t>(std::min<std::size_t>(10, ms.size() / 2));
-  std::vector<double> s(ms.begin() + skip, ms.end());
-  std::nth_element(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(s.size() / 2), s.end());
-  return s[s.size() / 2];
+  return steady_median_ms(std::move(ms));
 }
 
 }  // namespace

@@ -315,13 +315,15 @@ int Trainer::stop_requested() const { return par_->agree_stop(stop_signal()); }
 
 // The median step time, leaving out the first steps (up to 10, at most half) while caches and
 // the allocator warm up.
-double Trainer::median_ms() const {
-  if (times_.empty()) return std::nan("");
-  const auto skip = static_cast<std::ptrdiff_t>(std::min<std::size_t>(10, times_.size() / 2));
-  std::vector<double> s(times_.begin() + skip, times_.end());
-  std::nth_element(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(s.size() / 2), s.end());
-  return s[s.size() / 2];
+double steady_median_ms(std::vector<double> ms) {
+  if (ms.empty()) return std::nan("");
+  ms.erase(ms.begin(), ms.begin() + static_cast<std::ptrdiff_t>(std::min<std::size_t>(10, ms.size() / 2)));
+  std::sort(ms.begin(), ms.end());
+  const std::size_t h = ms.size() / 2;
+  return ms.size() % 2 ? ms[h] : (ms[h - 1] + ms[h]) / 2;
 }
+
+double Trainer::median_ms() const { return steady_median_ms(times_); }
 
 void Trainer::report_progress() {
   if (!tty_ || !((step_ - 1) % 10 == 0 || eval_due())) return;

@@ -25,6 +25,17 @@ using lmtest::tiny;
 
 }  // namespace
 
+TEST_CASE("the median step time is the reference's statistic: first steps left out, even counts averaged", "[lm]") {
+  CHECK(std::isnan(lm::steady_median_ms({})));
+  CHECK(lm::steady_median_ms({7}) == 7);
+  // 4 steps: the first 2 left out, then the mean of 30 and 50 (not the larger one).
+  CHECK(lm::steady_median_ms({900, 800, 50, 30}) == 40);
+  CHECK(lm::steady_median_ms({900, 800, 5, 70, 30}) == 30);  // 2 left out of 5, then the middle of 3
+  std::vector<double> ms(30, 1000.0);  // 10 slow first steps left out of 30, then 20 in any order
+  for (int i = 0; i < 20; ++i) ms[static_cast<std::size_t>(10 + i)] = 20 - i;
+  CHECK(lm::steady_median_ms(ms) == 10.5);
+}
+
 TEST_CASE("a run stopped at step 100 and resumed equals one run of 200 steps, bit for bit, in both archs", "[lm]") {
   const fs::path dir = scratch("resume");
   const std::string data = make_corpus(dir);
