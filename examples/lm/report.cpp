@@ -82,7 +82,8 @@ std::string summary_markdown(const std::vector<RunResult>& runs, const std::stri
     << "## Reading this table\n\n"
     << "- Losses are mean cross-entropy in nats per " << (bpe ? "BPE token" : "character")
     << ", estimated on the same fixed batches for every "
-       "norm; ms/step is the median step time after the first 10 steps, and tokens/s follows from it.\n"
+       "norm; ms/step is the median step time after the first steps (up to 10, at most half; the two middle "
+       "steps of an even count averaged, as the PyTorch reference takes it), and tokens/s follows from it.\n"
     << "- Bits per byte (`val_bpb`, `train_bpb` in metrics.csv) is the loss x tokens / bytes / ln 2 of the split: "
        "the bits needed per byte of UTF-8 text. Unlike nats per token it compares runs with different "
        "tokenizers (characters, BPE of any vocabulary size) on the same text.\n"

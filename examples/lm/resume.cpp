@@ -1,10 +1,11 @@
 #include "lm/resume.h"
 
-#include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 namespace lm {
 
@@ -150,7 +151,8 @@ double number(const std::string& s) {
 double median_step_ms(const fs::path& file) {
   std::vector<double> ms;
   for (const auto& row : csv_rows(file))
-    if (row.size() == 4) ms.push_back(number(row[3]));
+    if (row.size() == 4)
+      if (const double v = number(row[3]); std::isfinite(v)) ms.push_back(v);  // a cell that does not parse is left out
   return steady_median_ms(std::move(ms));
 }
 

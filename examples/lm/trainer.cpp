@@ -277,12 +277,13 @@ double Trainer::train_step() {
 bool Trainer::eval_due() const { return step_ % cfg_.eval_interval == 0 || step_ == cfg_.steps; }
 
 EvalPoint Trainer::evaluate() {
+  const double med = median_ms();
   EvalPoint e{step_,
               estimate_loss(*model_, corpus_.train, cfg_, *par_),
               estimate_loss(*model_, corpus_.val, cfg_, *par_),
               lr_,
-              median_ms(),
-              tokens_per_step_ / median_ms() * 1e3};
+              med,
+              tokens_per_step_ / med * 1e3};
   e.train_bpb = bits_per_byte(e.train_loss, corpus_, false);
   e.val_bpb = bits_per_byte(e.val_loss, corpus_, true);
   return e;

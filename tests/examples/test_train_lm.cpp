@@ -31,7 +31,7 @@ TEST_CASE("the median step time is the reference's statistic: first steps left o
   // 4 steps: the first 2 left out, then the mean of 30 and 50 (not the larger one).
   CHECK(lm::steady_median_ms({900, 800, 50, 30}) == 40);
   CHECK(lm::steady_median_ms({900, 800, 5, 70, 30}) == 30);  // 2 left out of 5, then the middle of 3
-  std::vector<double> ms(30, 1000.0);  // 10 slow first steps left out of 30, then 20 in any order
+  std::vector<double> ms(30, 1000.0);  // 10 slow first steps left out of 30, then 20 in reverse order
   for (int i = 0; i < 20; ++i) ms[static_cast<std::size_t>(10 + i)] = 20 - i;
   CHECK(lm::steady_median_ms(ms) == 10.5);
 }
