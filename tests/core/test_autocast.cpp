@@ -119,6 +119,21 @@ TEST_CASE("autocast keeps no copy of a weight: products round the float32 weight
   tape().clear();  // graphs recorded here and never walked
 }
 
+TEST_CASE("autocast: an input written through data() and then bump_version() is rounded anew, not handed the old copy") {
+  Generator g(16);
+  const Tensor w1 = randn({8, 16}, float32, &g).requires_grad_(), w2 = randn({8, 16}, float32, &g).requires_grad_();
+  Tensor x = randn({4, 16}, float32, &g);
+  AutocastGuard autocast;
+  const Tensor y1 = linear(x, w1);  // rounds x to bf16 and keeps that copy for the next op asking for x's
+  x.data<float>()[0] += 1000.0f;    // a raw write, which version() does not see ...
+  x.bump_version();                 // ... until it is told
+  const Tensor y2 = linear(x, w2);
+  const Tensor ref = matmul(round_bf16(x).to(float64), round_bf16(w2).to(float64), false, true);
+  CHECK(rel_diff(y2, ref) < 1e-5);
+  CHECK(max_abs_diff(y1, linear(x, w1)) > 1);  // the write reached the products
+  tape().clear();  // graphs recorded here and never walked
+}
+
 TEST_CASE("autocast: a recorded linear keeps its input as bf16, with the bits of the product of the float32 input") {
   // The reference is the bf16 kernels on the float32 input, rounded while they pack it:
   // the copy rounded before the product and the product's own rounding while it packs agree, on

@@ -35,7 +35,11 @@ class Tensor {
   DType dtype() const { return dtype_; }
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * itemsize(dtype_); }
 
-  // Typed access to the contiguous data; throws tg::Error when T does not match dtype().
+  // Typed access to the contiguous data; throws tg::Error when T does not match dtype(). A write
+  // through the pointer is not counted by version() (PyTorch's data_ptr() writes are not either):
+  // after one, call bump_version(), as set() and copy_() do. Otherwise a recorded op that saved
+  // the tensor does not notice the write, and inside an autocast scope the next op may be handed
+  // the bf16 copy of the old values that the op before it made (ops/product.h, activation_bf16).
   template <class T> T* data();
   template <class T> const T* data() const;
   void* raw_data();
