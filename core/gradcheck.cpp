@@ -47,8 +47,11 @@ GradcheckReport::Input compare(const std::function<double()>& L, Tensor x, std::
     p[k] = orig;
     const double num = (lp - lm) / (2 * opt.eps);
     const double err = std::fabs(analytic[static_cast<std::size_t>(k)] - num);
-    r.max_abs_err = std::max(r.max_abs_err, err);
-    r.max_rel_err = std::max(r.max_rel_err, err / std::max(std::fabs(num), 1e-12));
+    // The worst so far, NaN once any error is NaN (std::max would keep the earlier value and
+    // report a failed check with an error of 0).
+    auto worst = [](double a, double b) { return std::isnan(a) ? a : (std::isnan(b) || b > a) ? b : a; };
+    r.max_abs_err = worst(r.max_abs_err, err);
+    r.max_rel_err = worst(r.max_rel_err, err / std::max(std::fabs(num), 1e-12));
     if (!(err <= opt.atol + opt.rtol * std::fabs(num))) r.ok = false;  // NaN fails too
   }
   return r;

@@ -76,6 +76,7 @@ void normal_(Tensor& t, double mean, double std, Generator* gen) {
     using T = decltype(z);
     fill_normal(t.data<T>(), n, mean, std, g.seed(), base);
   });
+  t.bump_version();  // an in-place write: a graph that saved t refuses its backward
 }
 
 void uniform_(Tensor& t, double low, double high, Generator* gen) {
@@ -93,6 +94,7 @@ void uniform_(Tensor& t, double low, double high, Generator* gen) {
         p[i] = static_cast<T>(low + (high - low) * Generator::uniform(seed, base + static_cast<std::uint64_t>(i)));
     });
   });
+  t.bump_version();  // as normal_
 }
 
 Tensor randn(const Shape& shape, DType dtype, Generator* gen) {

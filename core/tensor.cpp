@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "dispatch.h"
@@ -15,6 +16,28 @@ namespace tg {
 
 namespace {
 std::atomic<std::uint32_t> next_meta_id{1};
+
+// v as an element of type T. An int32 element takes v truncated toward zero, as static_cast and
+// PyTorch do, when that fits int32: NaN and values outside (-2^31 - 1, 2^31) have no int32 (the
+// cast is undefined behaviour), so they are refused with the op, the value and the shape.
+template <class T>
+T element(const char* op, double v, const Shape& shape) {
+  if constexpr (std::is_same_v<T, std::int32_t>)
+    if (!(v > -2147483649.0 && v < 2147483648.0))
+      fail(op, "value ", v, " does not fit int32 (tensor of shape ", shape, ")");
+  return detail::from_double<T>(v);
+}
+
+// An in-place write is not recorded on the tape. Into a tensor that a recorded op made, it would
+// leave that op's node in place, and a backward through the tensor would pass the gradient of the
+// new values on to the inputs that made the old ones: a wrong gradient, silently. Refused while
+// recording is on (PyTorch records the write instead, which tapegrad's tape cannot do).
+void check_no_history(const char* op, const Tensor& t) {
+  if (grad_enabled() && !t.is_leaf() && t.requires_grad())
+    fail(op, "cannot write in place into a ", t.dtype(), ' ', t.shape(),
+         " tensor made by a recorded op: the write is not recorded, so a backward would send its gradient to the "
+         "values it replaced; write into clone() of it, or into a leaf");
+}
 
 }  // namespace
 
@@ -57,9 +80,10 @@ double Tensor::at(std::initializer_list<std::int64_t> idx) const {
 
 void Tensor::set(std::initializer_list<std::int64_t> idx, double v) {
   const std::int64_t i = flat_index(idx, "set");
+  check_no_history("set", *this);
   detail::dispatch_all(dtype_, [&](auto t) {
     using T = decltype(t);
-    static_cast<T*>(storage_->data)[i] = detail::from_double<T>(v);
+    static_cast<T*>(storage_->data)[i] = element<T>("set", v, shape_);
   });
   bump_version();
 }
@@ -68,6 +92,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
   detail::check_defined("copy_", *this, "destination");
   detail::check_defined("copy_", src, "source");
   if (!(src.shape() == shape_)) fail("copy_", "source shape ", src.shape(), " differs from destination ", shape_);
+  check_no_history("copy_", *this);
   if (src.dtype() == dtype_) {
     if (nbytes()) std::memmove(raw_data(), src.raw_data(), nbytes());
   } else {
@@ -186,7 +211,7 @@ Tensor full(const Shape& shape, double value, DType dtype) {
   detail::dispatch_all(dtype, [&](auto z) {
     using T = decltype(z);
     T* p = static_cast<T*>(t.raw_data());
-    const T v = detail::from_double<T>(value);
+    const T v = element<T>("full", value, shape);
     for (std::int64_t i = 0; i < t.numel(); ++i) p[i] = v;
   });
   return t;
@@ -202,12 +227,14 @@ Tensor arange(double start, double end, double step, DType dtype) {
   if (step == 0 || !std::isfinite(step) || !std::isfinite(start) || !std::isfinite(end))
     fail("arange", "invalid range start=", start, " end=", end, " step=", step);
   const double n = std::ceil((end - start) / step);
+  // (2^62 elements are past any allocation; the bound keeps the cast to int64 defined.)
+  if (n > 0x1p62) fail("arange", "range start=", start, " end=", end, " step=", step, " has ", n, " elements");
   const std::int64_t count = n > 0 ? static_cast<std::int64_t>(n) : 0;
   Tensor t = Tensor::empty(Shape{count}, dtype);
   detail::dispatch_all(dtype, [&](auto z) {
     using T = decltype(z);
     T* p = static_cast<T*>(t.raw_data());
-    for (std::int64_t i = 0; i < count; ++i) p[i] = detail::from_double<T>(start + static_cast<double>(i) * step);
+    for (std::int64_t i = 0; i < count; ++i) p[i] = element<T>("arange", start + static_cast<double>(i) * step, t.shape());
   });
   return t;
 }
@@ -220,7 +247,7 @@ Tensor tensor(const std::vector<double>& values, const Shape& shape, DType dtype
   detail::dispatch_all(dtype, [&](auto z) {
     using T = decltype(z);
     T* p = static_cast<T*>(t.raw_data());
-    for (std::size_t i = 0; i < values.size(); ++i) p[i] = detail::from_double<T>(values[i]);
+    for (std::size_t i = 0; i < values.size(); ++i) p[i] = element<T>("tensor", values[i], s);
   });
   return t;
 }

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -77,18 +78,53 @@ std::int32_t pick_token(std::vector<double> z, double temperature, std::int64_t 
   return pick;
 }
 
-// The last position's logits of (1, T, V) logits, as doubles.
-std::vector<double> last_logits(const Tensor& logits) {
+// The last position's logits of (1, T, V) logits, as doubles. Logits holding NaN or +inf, or
+// only -inf, have no softmax (every probability NaN): refused, naming the step, as
+// torch.multinomial refuses their probabilities, rather than read as a draw of the last token.
+std::vector<double> last_logits(const Tensor& logits, std::int64_t step) {
   const Tensor l = logits.to(float64);
   const std::int64_t T = l.size(1), V = l.size(2);
   const double* last = l.data<double>() + (T - 1) * V;
+  bool finite_one = false;
+  for (std::int64_t k = 0; k < V; ++k) {
+    if (std::isnan(last[k]) || last[k] == INFINITY)
+      fail("generate", "the logits of token ", step, " are ", last[k], " at vocabulary entry ", k, " of ", V,
+           ": nothing to sample from (the model's weights or its input are not finite)");
+    finite_one = finite_one || std::isfinite(last[k]);
+  }
+  if (!finite_one) fail("generate", "the logits of token ", step, " are -inf for all ", V, " vocabulary entries");
   return std::vector<double>(last, last + V);
 }
+
+// "(1, 4, 16) float32", or "undefined", for messages.
+std::string describe(const Tensor& t) {
+  return t.defined() ? t.shape().str() + " " + dtype_name(t.dtype()) : std::string("undefined");
+}
+
+// Restores a module's training mode when generation ends, also by an exception.
+struct TrainingModeKept {
+  Module& m;
+  bool was;
+  explicit TrainingModeKept(Module& module) : m(module), was(module.is_training()) {}
+  ~TrainingModeKept() { m.train(was); }
+  TrainingModeKept(const TrainingModeKept&) = delete;
+  TrainingModeKept& operator=(const TrainingModeKept&) = delete;
+};
 
 }  // namespace
 
 Tensor Block::forward_cached(const Tensor& x, Tensor& k_cache, Tensor& v_cache, std::int64_t len, std::int64_t pos0) {
-  const std::int64_t Tn = x.size(1), C = x.size(2), H = n_head_;
+  const std::int64_t C = qkv->in_features, H = n_head_;
+  if (!x.defined() || x.dim() != 3 || x.size(0) != 1 || x.size(2) != C || x.dtype() != qkv->weight.dtype())
+    fail("Block.forward_cached", "expects x (1, T, ", C, ") ", qkv->weight.dtype(), ", got ", describe(x));
+  const std::int64_t Tn = x.size(1);
+  // The new keys and values are written at rows [len, len + Tn) of the (capacity, C) tables.
+  for (const Tensor* t : {&k_cache, &v_cache})
+    if (!t->defined() || t->dim() != 2 || t->size(1) != C || t->dtype() != x.dtype())
+      fail("Block.forward_cached", "expects k_cache and v_cache (capacity, ", C, ") ", x.dtype(), ", got ", describe(*t));
+  if (!(k_cache.shape() == v_cache.shape()) || len < 0 || pos0 < 0 || len > k_cache.size(0) - Tn)
+    fail("Block.forward_cached", "cannot add ", Tn, " positions at row ", len, " (position ", pos0,
+         ") to caches k ", k_cache.shape(), " and v ", v_cache.shape());
   Tensor packed = qkv->forward(ln1->forward(x));  // (1, T, 3C)
   if (arch_ == Arch::llama) packed = rope(packed, rope_cos_, rope_sin_, C / H, 2 * C, pos0);
   Tensor y = Tensor::empty({1, Tn, C}, x.dtype());
@@ -114,6 +150,11 @@ Tensor Block::forward_cached(const Tensor& x, Tensor& k_cache, Tensor& v_cache, 
 void KVCache::drop_oldest() {
   if (len < 1) fail("KVCache", "nothing to drop from an empty cache");
   for (auto* tables : {&k, &v})
+    for (const Tensor& t : *tables)
+      if (len > capacity || !t.defined() || t.dim() != 2 || t.size(0) != capacity)
+        fail("KVCache", "drop_oldest: a table ", describe(t), " does not hold len ", len, " of capacity ", capacity,
+             " rows");
+  for (auto* tables : {&k, &v})
     for (Tensor& t : *tables) {
       auto* base = static_cast<char*>(t.raw_data());
       const std::size_t row = t.nbytes() / static_cast<std::size_t>(capacity);
@@ -137,6 +178,19 @@ Tensor GPT::forward_cached(const std::vector<std::int32_t>& ids, KVCache& cache)
   NoGradGuard ng;
   const auto Tn = static_cast<std::int64_t>(ids.size());
   if (cache.k.empty()) cache = start_cache();
+  // A cache made by start_cache() of this model: one (capacity, n_embd) table of keys and one of
+  // values per block, in the model's dtype (another model's would be written out of bounds).
+  const auto n_layer = static_cast<std::size_t>(cfg_.n_layer);
+  if (cache.k.size() != n_layer || cache.v.size() != n_layer)
+    fail("generate", "the KVCache holds ", cache.k.size(), " key and ", cache.v.size(),
+         " value tables; this model has ", n_layer, " blocks; use start_cache()");
+  if (cache.len < 0 || cache.start < 0)
+    fail("generate", "the KVCache's len and start must be >= 0, got ", cache.len, " and ", cache.start);
+  for (const auto* tables : {&cache.k, &cache.v})
+    for (const Tensor& t : *tables)
+      if (!t.defined() || !(t.shape() == Shape{cache.capacity, cfg_.n_embd}) || t.dtype() != wte->weight.dtype())
+        fail("generate", "a KVCache table is ", describe(t), "; this model's are (", cache.capacity, ", ", cfg_.n_embd,
+             ") ", wte->weight.dtype(), "; use start_cache()");
   if (Tn < 1 || cache.len + Tn > cache.capacity)
     fail("generate", "cannot add ", Tn, " positions to a cache holding ", cache.len, " of ", cache.capacity);
   const std::int64_t pos0 = cache.start + cache.len;
@@ -164,7 +218,7 @@ std::vector<std::int32_t> GPT::generate(const std::vector<std::int32_t>& prompt,
     if (t < 0 || t >= cfg_.vocab_size) fail("generate", "prompt token ", t, " is out of range for vocab ", cfg_.vocab_size);
   Generator& g = gen ? *gen : default_generator();
   NoGradGuard ng;
-  const bool was_training = is_training();
+  const TrainingModeKept kept(*this);
   eval();
   const std::int64_t W = cfg_.block_size;
   std::vector<std::int32_t> ctx = prompt, out;
@@ -184,11 +238,10 @@ std::vector<std::int32_t> GPT::generate(const std::vector<std::int32_t>& prompt,
       if (cache.len == W) cache.drop_oldest();  // llama: the window slides
       logits = forward_cached({ctx.back()}, cache);
     }
-    const std::int32_t pick = pick_token(last_logits(logits), temperature, top_k, g);
+    const std::int32_t pick = pick_token(last_logits(logits, i), temperature, top_k, g);
     ctx.push_back(pick);
     out.push_back(pick);
   }
-  train(was_training);
   return out;
 }
 

@@ -132,6 +132,7 @@ void Module::load_state_dict(const StateDict& sd, bool strict) {
     if (!src || src->shares_storage(t)) continue;
     Tensor dst = t;
     if (t.nbytes()) std::memcpy(dst.raw_data(), src->raw_data(), t.nbytes());
+    dst.bump_version();  // an in-place write: a graph recorded before the load refuses its backward
   }
 }
 

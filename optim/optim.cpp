@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numbers>
 #include <sstream>
 #include <type_traits>
@@ -245,6 +246,13 @@ StateDict Optimizer::state_dict() const {
 
 namespace {
 
+// v as the messages print numbers (1e-05, nan, -1), not std::to_string's six decimals.
+std::string num(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
 // Why state entry `key` (parameter n's state `rest`, tensor t) does not fit parameter p, or "" when
 // it does: a key the optimizer never creates (when its keys are known), a scalar where a buffer
 // belongs, a buffer of another shape or dtype.
@@ -259,6 +267,12 @@ std::string state_entry_error(const std::string& key, const std::string& rest, c
     if (!k) return key + ": unexpected key (" + name + " keeps no such state)";
     if (k->scalar && !scalar) return key + ": expected a float64 scalar";
     if (!k->scalar) scalar = false;
+    // A step count is a whole number >= 0 (Adam divides by 1 - beta^step: a count of -1 or NaN makes
+    // the next step write NaN into the parameter); SGD's flag is 0 or 1.
+    const double v = scalar ? t.item() : 0;
+    if (rest == "step" && !(v >= 0 && v == std::floor(v) && std::isfinite(v)))
+      return key + ": a step count must be a whole number >= 0, got " + num(v);
+    if (rest == "initialized" && v != 0 && v != 1) return key + ": must be 0 or 1, got " + num(v);
   }
   if (scalar || buffer) return "";
   std::ostringstream s;
@@ -275,7 +289,8 @@ void Optimizer::load_state_dict(const StateDict& sd) {
     for (auto& p : g.params) params.push_back(&p);
   std::vector<std::string> errors;
   std::vector<std::vector<std::pair<std::string, Tensor>>> next(state_.size());
-  std::vector<double> lrs(groups_.size(), -1), wds(groups_.size(), -1);
+  const double missing = std::numeric_limits<double>::lowest();  // no key gave the value
+  std::vector<double> lrs(groups_.size(), missing), wds(groups_.size(), missing);
   // A key this optimizer never creates (another optimizer's buffer, a typo, amsgrad's maximum
   // without amsgrad) or a scalar where a buffer belongs would otherwise be accepted and then read
   // out of bounds or silently ignored by step(). (PyTorch 1.13's load_state_dict copies state
@@ -306,8 +321,13 @@ void Optimizer::load_state_dict(const StateDict& sd) {
       errors.push_back(key + ": unexpected key");
     }
   }
+  // The constructor's checks: lr and weight_decay finite and >= 0 (NaN fails both comparisons).
   for (std::size_t g = 0; g < groups_.size(); ++g)
-    if (lrs[g] < 0 || wds[g] < 0 || !std::isfinite(lrs[g])) errors.push_back("group." + std::to_string(g) + ": missing or invalid lr / weight_decay");
+    for (const auto& [what, v] : {std::pair{"lr", lrs[g]}, {"weight_decay", wds[g]}}) {
+      const std::string key = "group." + std::to_string(g) + "." + what;
+      if (v == missing) errors.push_back(key + ": missing");
+      else if (!(v >= 0) || !std::isfinite(v)) errors.push_back(key + ": must be finite and >= 0, got " + num(v));
+    }
   if (!errors.empty()) {
     std::ostringstream s;
     for (const auto& e : errors) s << "\n  " << e;

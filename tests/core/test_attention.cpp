@@ -290,8 +290,9 @@ TEST_CASE("causal attention keeps qkv, y and lse for its backward: nothing of si
 }
 
 TEST_CASE("under autocast a Linear after attention shares the copy of y only while y is unchanged") {
-  // An in-place write to y after attention recorded it (allowed: attention keeps a copy) must not
-  // hand the Linear the stale copy: w's gradient is the one of a Linear on the written y.
+  // An in-place write to y's memory after attention recorded it (through a detached handle: y
+  // itself, made by a recorded op, refuses set) must not hand the Linear the stale copy: w's
+  // gradient is the one of a Linear on the written y.
   const std::int64_t B = 1, T = 20, C = 16, H = 2;
   Tensor qkv = param64({B, T, 3 * C}, 33).detach().to(float32).requires_grad_();
   Tensor w = param64({C, C}, 34).detach().to(float32).requires_grad_();
@@ -300,7 +301,7 @@ TEST_CASE("under autocast a Linear after attention shares the copy of y only whi
   {
     AutocastGuard bf16;
     Tensor y = causal_attention(qkv, H);
-    y.set({0, 3, 5}, 7.5);
+    y.detach().set({0, 3, 5}, 7.5);
     z = linear(y, w);
     z_ref = linear(y.detach().clone(), w_ref);
   }

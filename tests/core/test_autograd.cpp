@@ -1,5 +1,6 @@
 // The tape: recording, reverse walk, accumulation, freeing, no_grad, errors, printing.
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 #include <stdexcept>
 #include <type_traits>
@@ -165,6 +166,17 @@ TEST_CASE("gradcheck reports a wrong gradient") {
   auto right = [](const std::vector<Tensor>& in) { return in[0] * in[0]; };
   CHECK(gradcheck(right, {param64({3}, 1)}).ok);
   REQUIRE_TG_ERROR(gradcheck(right, {randn({3}).requires_grad_()}), "gradcheck", "float64");
+}
+
+TEST_CASE("gradcheck reports a NaN error as NaN, not as the largest finite one") {
+  // x * x at (1, NaN, 2): the second element's analytic and numeric derivatives are NaN.
+  Tensor x = tensor({1, std::nan(""), 2}, {3}, float64).requires_grad_();
+  GradcheckReport r = gradcheck([](const std::vector<Tensor>& in) { return in[0] * in[0]; }, {x});
+  REQUIRE(r.inputs.size() == 1);
+  CHECK_FALSE(r.ok);
+  CHECK(std::isnan(r.inputs[0].max_abs_err));
+  CHECK(std::isnan(r.inputs[0].max_rel_err));
+  CHECK(r.str().find("max abs err nan") != std::string::npos);
 }
 
 TEST_CASE("Node::pass_grad moves a gradient into an empty slot, adds it into a filled one, copies one held elsewhere") {

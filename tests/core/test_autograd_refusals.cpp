@@ -112,6 +112,29 @@ TEST_CASE("an in-place write to a saved tensor is refused at backward time, nami
   for (std::int64_t i = 0; i < 3; ++i) CHECK(a.grad().at({i}) == b.at({i}));
 }
 
+TEST_CASE("copy_ and set into a tensor made by a recorded op are refused while recording") {
+  // Neither write is recorded: y = a * 2 overwritten with zeros would still send d sum(y) / dy = 1
+  // back through mul, giving a the gradient 2 of values y no longer holds (PyTorch gives 0).
+  Tensor a = param64({3}, 12);
+  Tensor y = a * 2.0;
+  REQUIRE_TG_ERROR(y.copy_(zeros({3}, float64)), "copy_", "float64 (3,)", "recorded op");
+  REQUIRE_TG_ERROR(y.set({0}, 1.0), "set", "float64 (3,)", "recorded op");
+  sum(y).backward();  // y is unchanged, so its gradient is right
+  for (std::int64_t i = 0; i < 3; ++i) CHECK(a.grad().at({i}) == 2.0);
+  // Allowed: a leaf (a parameter's own values), a detached tensor, anything under NoGradGuard.
+  a.copy_(ones({3}, float64));
+  Tensor z = (a * 3.0).detach();
+  z.set({0}, 4.0);
+  {
+    NoGradGuard ng;
+    Tensor w = a * 2.0;
+    w.copy_(zeros({3}, float64));
+    CHECK(w.at({2}) == 0.0);
+  }
+  CHECK(z.at({0}) == 4.0);
+  CHECK(a.at({1}) == 1.0);
+}
+
 TEST_CASE("copy_ and an optimizer's step count as in-place writes, and views share the count") {
   Tensor w = param64({2, 2}, 10), x = param64({2, 2}, 11);
   {
@@ -126,6 +149,19 @@ TEST_CASE("copy_ and an optimizer's step count as in-place writes, and views sha
     Tensor y = sum(matmul(x, w));
     optim::SGD opt({w}, 0.1);
     opt.step();  // updates w in place after the forward that saved it
+    CHECK_THAT(error_of([&] { y.backward(); }), Catch::Contains("'matmul'") && Catch::Contains("modified in place"));
+    tape().clear();
+  }
+}
+
+TEST_CASE("normal_ and uniform_ count as in-place writes") {
+  // As torch.nn.init's initialisers under no_grad: a graph that saved the tensor refuses its backward.
+  Tensor w = param64({2, 2}, 13), x = param64({2, 2}, 14);
+  for (const bool normal : {true, false}) {
+    INFO((normal ? "normal_" : "uniform_"));
+    Tensor y = sum(matmul(x, w));
+    if (normal) normal_(w);
+    else uniform_(w, -1.0, 1.0);
     CHECK_THAT(error_of([&] { y.backward(); }), Catch::Contains("'matmul'") && Catch::Contains("modified in place"));
     tape().clear();
   }

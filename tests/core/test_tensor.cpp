@@ -1,4 +1,5 @@
 // Tensor basics: factories, dtypes, element access, views and copies, printing, the seeded generator.
+#include <cmath>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -52,6 +53,34 @@ TEST_CASE("bad factory arguments raise tg::Error naming the function") {
   REQUIRE_TG_ERROR(t.size(2), "size", "axis 2");
   Tensor ids = zeros({2}, int32);
   REQUIRE_TG_ERROR(ids.requires_grad_(), "requires_grad_", "int32");
+}
+
+TEST_CASE("an int32 tensor refuses a value that has no int32, in every factory and in set") {
+  // A double converts to int32 by truncation toward zero when the result fits; NaN or a value
+  // outside the range has no int32 (static_cast is undefined behaviour there, INT32_MIN on x86).
+  REQUIRE_TG_ERROR(tensor({1, 3e9}, {2}, int32), "tensor", "value 3e+09", "int32", "(2,)");
+  REQUIRE_TG_ERROR(full({2}, std::nan(""), int32), "full", "value nan", "int32", "(2,)");
+  REQUIRE_TG_ERROR(full({0}, -1e10, int32), "full", "int32");  // refused as PyTorch does, even when empty
+  REQUIRE_TG_ERROR(arange(2147483640.0, 2147483650.0, 1.0, int32), "arange", "value 2.14748e+09", "int32");
+  Tensor t = zeros({2}, int32);
+  REQUIRE_TG_ERROR(t.set({1}, -2147483649.0), "set", "int32", "(2,)");
+  REQUIRE_TG_ERROR(t.set({1}, HUGE_VAL), "set", "inf");
+  CHECK(t.to_vector<int>() == std::vector<int>{0, 0});  // nothing written
+  // the whole range, each end truncated toward zero
+  t.set({0}, 2147483647.9);
+  t.set({1}, -2147483648.9);
+  CHECK(t.to_vector<int>() == std::vector<int>{2147483647, -2147483647 - 1});
+  CHECK(tensor({-2.7, 2.7}, {2}, int32).to_vector<int>() == std::vector<int>{-2, 2});
+  // arange's element count is checked before it becomes an int64
+  REQUIRE_TG_ERROR(arange(0.0, 1e300, 1.0), "arange", "1e+300 elements");
+}
+
+TEST_CASE("to_vector refuses an undefined tensor and a float that has no value of the integer type") {
+  REQUIRE_TG_ERROR(Tensor().to_vector<double>(), "to_vector", "undefined");  // (it read a null pointer)
+  REQUIRE_TG_ERROR(tensor({1, std::nan("")}, {2}).to_vector<int>(), "to_vector", "value nan", "position 1", "float32 (2,)");
+  REQUIRE_TG_ERROR(tensor({-3e9}, {1}, float64).to_vector<int>(), "to_vector", "-3e+09");
+  CHECK(tensor({-2.7, 2.7, 3e9}, {3}, float64).to_vector<std::int64_t>() == std::vector<std::int64_t>{-2, 2, 3000000000});
+  CHECK(tensor({-2.7, 2.7}, {2}).to_vector<int>() == std::vector<int>{-2, 2});
 }
 
 TEST_CASE("set and at round-trip through every dtype") {

@@ -2,6 +2,7 @@
 // reference's, forward and backward for every norm, a float64 gradcheck of a tiny model, seeded
 // initialisation, argument checks, the rename of earlier names on load, and sampling with the KV
 // cache against sampling without it.
+#include <cmath>
 #include <cstring>
 
 #include "helpers.h"
@@ -223,6 +224,59 @@ TEST_CASE("sampling with the KV cache picks the tokens sampling without it picks
     CHECK(cached == uncached);
     CHECK(tape().size() == 0);  // sampling records nothing
   }
+}
+
+TEST_CASE("generate refuses logits without a softmax, naming the token, and keeps the training mode") {
+  // NaN weights give NaN logits: every sampling probability is NaN (torch.multinomial refuses
+  // them), which would otherwise be read as a draw of the last token.
+  manual_seed(7);
+  nn::GPTConfig cfg{nn::Arch::gpt, 5, 8, 1, 2, 16};
+  nn::GPT model(cfg);
+  {
+    NoGradGuard ng;
+    model.ln_f->parameters()[0].copy_(full({16}, std::nan("")));
+  }
+  CHECK(model.is_training());
+  for (bool cache : {true, false}) {
+    INFO("use_cache " << cache);
+    REQUIRE_TG_ERROR(model.generate({1, 2}, 3, 1.0, 0, nullptr, cache), "generate", "logits of token 0", "nan");
+    CHECK(model.is_training());  // restored although generate threw
+  }
+  {
+    NoGradGuard ng;
+    model.ln_f->parameters()[0].copy_(full({16}, HUGE_VAL));  // +inf and -inf logits
+  }
+  REQUIRE_TG_ERROR(model.generate({1, 2}, 3), "generate", "logits of token 0");
+}
+
+TEST_CASE("a KVCache not made for the model is refused before anything is written") {
+  // Another model's tables are narrower: the new keys would be written past their end.
+  manual_seed(8);
+  nn::GPTConfig cfg{nn::Arch::gpt, 5, 8, 1, 2, 16};
+  nn::GPT model(cfg);
+  nn::GPTConfig narrow = cfg;
+  narrow.n_embd = 8;
+  nn::KVCache other = nn::GPT(narrow).start_cache();
+  REQUIRE_TG_ERROR(model.forward_cached({1, 2, 3, 4, 1, 2, 3, 4}, other), "generate", "(8, 8) float32",
+                   "(8, 16) float32", "start_cache");
+  CHECK(other.len == 0);
+  nn::GPTConfig deeper = cfg;
+  deeper.n_layer = 2;
+  nn::KVCache two = nn::GPT(deeper).start_cache();
+  REQUIRE_TG_ERROR(model.forward_cached({1}, two), "generate", "2 key and 2 value tables", "1 blocks");
+  nn::KVCache bad = model.start_cache();
+  bad.len = -3;
+  REQUIRE_TG_ERROR(model.forward_cached({1}, bad), "generate", "len and start", "-3");
+  // A block's own check: tables of another width, or rows past the capacity
+  Tensor k = zeros({8, 8}), v = zeros({8, 8});
+  REQUIRE_TG_ERROR((*model.blocks)[0].forward_cached(zeros({1, 2, 16}), k, v, 0, 0), "Block.forward_cached",
+                   "(capacity, 16)", "(8, 8) float32");
+  Tensor k16 = zeros({8, 16}), v16 = zeros({8, 16});
+  REQUIRE_TG_ERROR((*model.blocks)[0].forward_cached(zeros({1, 2, 16}), k16, v16, 7, 7), "Block.forward_cached",
+                   "cannot add 2 positions at row 7");
+  nn::KVCache over = model.start_cache();
+  over.len = 9;
+  REQUIRE_TG_ERROR(over.drop_oldest(), "KVCache", "len 9 of capacity 8");
 }
 
 TEST_CASE("llama generation slides its cache past block_size, equal to the cropped window's logits") {

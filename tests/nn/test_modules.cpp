@@ -144,6 +144,23 @@ TEST_CASE("state_dict holds parameters and buffers, load_state_dict copies value
   CHECK(b.num_batches_tracked.item() == 1.0);
 }
 
+TEST_CASE("load_state_dict is an in-place write: a graph recorded before the load refuses its backward") {
+  // The forward used the old weight; its saved copy of it would be read with the loaded values.
+  manual_seed(5);
+  nn::Linear lin(3, 2, /*bias=*/false, float64);
+  Tensor x = ones({1, 3}, float64).requires_grad_();
+  Tensor y = sum(lin(x));
+  StateDict sd;
+  sd.insert("weight", zeros({2, 3}, float64));
+  lin.load_state_dict(sd);
+  REQUIRE_TG_ERROR(y.backward(), "backward", "'linear'", "modified in place");
+  CHECK_FALSE(x.grad().defined());
+  tape().clear();
+  // a forward after the load differentiates through the loaded values
+  sum(lin(x)).backward();
+  for (std::int64_t j = 0; j < 3; ++j) CHECK(x.grad().at({0, j}) == 0.0);
+}
+
 TEST_CASE("load_state_dict names every missing, unexpected and mismatched key and changes nothing") {
   nn::Linear lin(3, 2);
   Tensor before = lin.weight.clone();

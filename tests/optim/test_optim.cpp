@@ -516,6 +516,22 @@ std::function<void(tg::StateDict&)> put(std::string key, Tensor t) {
 
 }  // namespace
 
+TEST_CASE("load_state_dict rejects hyperparameters and step counts a step cannot use, and changes nothing", "[optim]") {
+  // Each would load and then write NaN or inf into every parameter at the next step: a weight
+  // decay of NaN or inf, an lr of inf, Adam's step count -1 (1 - beta1^0 = 0 divides) or NaN.
+  using tg::float64;
+  const double nan = std::nan("");
+  const double inf = HUGE_VAL;
+  check_failed_load("sgd_momentum", put("group.0.weight_decay", tg::full({}, nan, float64)), "group.0.weight_decay: must be finite and >= 0, got nan");
+  check_failed_load("adamw_two_groups", put("group.1.weight_decay", tg::full({}, inf, float64)), "group.1.weight_decay: must be finite and >= 0, got inf");
+  check_failed_load("adam_default", put("group.0.weight_decay", tg::full({}, -0.5, float64)), "group.0.weight_decay");
+  check_failed_load("adam_default", put("group.0.lr", tg::full({}, inf, float64)), "group.0.lr: must be finite and >= 0, got inf");
+  check_failed_load("adam_default", put("state.0.step", tg::full({}, -1.0, float64)), "state.0.step: a step count must be a whole number >= 0, got -1");
+  check_failed_load("adamw_default", put("state.1.step", tg::full({}, nan, float64)), "state.1.step");
+  check_failed_load("adam_amsgrad", put("state.0.step", tg::full({}, 2.5, float64)), "state.0.step");
+  check_failed_load("sgd_momentum", put("state.0.initialized", tg::full({}, 0.5, float64)), "state.0.initialized: must be 0 or 1, got 0.5");
+}
+
 TEST_CASE("load_state_dict rejects a state that does not fit and changes nothing", "[optim]") {
   using tg::float32;
   using tg::float64;

@@ -25,8 +25,8 @@ struct GradcheckReport {
   struct Input {
     std::size_t index;     // position in the inputs vector
     Shape shape;
-    double max_abs_err;    // max over elements of |analytic - numeric|
-    double max_rel_err;    // max over elements of |analytic - numeric| / max(|numeric|, 1e-12)
+    double max_abs_err;    // max over elements of |analytic - numeric| (NaN when any is NaN)
+    double max_rel_err;    // max over elements of |analytic - numeric| / max(|numeric|, 1e-12) (likewise)
     bool ok;
   };
   std::vector<Input> inputs;  // one per input that requires grad

@@ -49,11 +49,17 @@ class Tensor {
   // Element access for tests and small programs (values go through double).
   double item() const;                                        // the one element of a 1-element tensor
   double at(std::initializer_list<std::int64_t> idx) const;   // negative indices count from the end
-  void set(std::initializer_list<std::int64_t> idx, double v);  // an in-place write: see version()
+  // An in-place write: see version(). An int32 element takes v truncated toward zero; a v that
+  // does not fit int32 (NaN included) throws, as in full, arange and tensor.
+  void set(std::initializer_list<std::int64_t> idx, double v);
   // Copies src's values into this tensor in place (same shape; any dtypes, converted). An in-place
-  // write, as set() is: a recorded op that saved this tensor then refuses its backward.
+  // write, as set() is: a recorded op that saved this tensor then refuses its backward. Neither
+  // write is recorded (PyTorch records copy_), so both throw, while recording is on, for a
+  // tensor made by a recorded op (a backward would send the new values' gradient to the old ones'
+  // inputs); a leaf, a detach()ed tensor, or any tensor under NoGradGuard takes them.
   Tensor& copy_(const Tensor& src);
-  template <class T> std::vector<T> to_vector() const;        // copies, converting to T
+  // Copies, converting to T; a float that has no value of an integer T (NaN, out of range) throws.
+  template <class T> std::vector<T> to_vector() const;
 
   // ---- autograd ----
   bool requires_grad() const;
@@ -108,7 +114,8 @@ class Tensor {
   std::int64_t flat_index(std::initializer_list<std::int64_t> idx, const char* op) const;
 };
 
-// ---- factories (dtype defaults to float32, as in PyTorch) ----
+// ---- factories (dtype defaults to float32, as in PyTorch). An int32 tensor takes values truncated
+// toward zero; one outside int32's range, or NaN, throws (it has no int32). ----
 Tensor zeros(const Shape& shape, DType dtype = float32);
 Tensor ones(const Shape& shape, DType dtype = float32);
 Tensor full(const Shape& shape, double value, DType dtype = float32);

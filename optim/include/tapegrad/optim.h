@@ -51,7 +51,9 @@ class Optimizer {
   // parameters across groups in order) and per-group hyperparameters ("group.<g>.lr", ...), all
   // as tensors so the dict can be written as safetensors.
   StateDict state_dict() const;
-  // Checks every key, shape and dtype first; on error nothing changes.
+  // Checks every key, shape and dtype first, and the values the constructor checks (lr and
+  // weight_decay finite and >= 0) or a step relies on (a step count whole and >= 0); on error
+  // nothing changes.
   void load_state_dict(const StateDict& sd);
 
  protected:

@@ -5,8 +5,10 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tapegrad/tensor.h"
@@ -127,16 +129,26 @@ inline float bf16_bits_to_float(std::uint16_t bits) {
 }
 }  // namespace detail
 template <class T> std::vector<T> Tensor::to_vector() const {
+  if (!defined()) fail("to_vector", "tensor is undefined");
   std::vector<T> out(static_cast<std::size_t>(numel()));
   const void* p = raw_data();
+  // A float converts to an integer T by truncation toward zero when the result fits T; NaN and
+  // values outside T's range have none (static_cast would be undefined behaviour): refused.
+  auto convert = [&](auto v, std::size_t i) {
+    if constexpr (std::is_integral_v<T> && std::is_floating_point_v<decltype(v)>) {
+      const double d = v, lo = static_cast<double>(std::numeric_limits<T>::min()) - 1.0,
+                   hi = static_cast<double>(std::numeric_limits<T>::max()) + 1.0;
+      if (!(d > lo && d < hi))
+        fail("to_vector", "value ", d, " at position ", i, " of ", dtype_, ' ', shape_, " does not fit the integer type");
+    }
+    return static_cast<T>(v);
+  };
   for (std::size_t i = 0; i < out.size(); ++i) {
     switch (dtype_) {
-      case float32: out[i] = static_cast<T>(static_cast<const float*>(p)[i]); break;
-      case float64: out[i] = static_cast<T>(static_cast<const double*>(p)[i]); break;
-      case int32: out[i] = static_cast<T>(static_cast<const std::int32_t*>(p)[i]); break;
-      case bfloat16:
-        out[i] = static_cast<T>(detail::bf16_bits_to_float(static_cast<const std::uint16_t*>(p)[i]));
-        break;
+      case float32: out[i] = convert(static_cast<const float*>(p)[i], i); break;
+      case float64: out[i] = convert(static_cast<const double*>(p)[i], i); break;
+      case int32: out[i] = convert(static_cast<const std::int32_t*>(p)[i], i); break;
+      case bfloat16: out[i] = convert(detail::bf16_bits_to_float(static_cast<const std::uint16_t*>(p)[i]), i); break;
     }
   }
   return out;

@@ -124,7 +124,8 @@ class GPT : public Module {
   std::vector<std::int32_t> generate(const std::vector<std::int32_t>& prompt, std::int64_t n, double temperature = 1.0,
                                      std::int64_t top_k = 0, Generator* gen = nullptr, bool use_cache = true);
   // The logits (1, T, V) of new tokens at positions [cache.start + cache.len, ...), extending the
-  // cache (generation's step; no recording). An empty cache is sized by start_cache.
+  // cache (generation's step; no recording). An empty cache is sized by start_cache; a cache that
+  // start_cache of another configuration made is refused.
   Tensor forward_cached(const std::vector<std::int32_t>& ids, KVCache& cache);
   KVCache start_cache() const;
   // Activation checkpointing of every block (Block::set_gradient_checkpointing; Hugging Face's

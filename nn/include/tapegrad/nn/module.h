@@ -52,6 +52,8 @@ class Module {
   StateDict state_dict() const;
   // Copies values in. Every problem is collected first and reported in one tg::Error (missing
   // keys, unexpected keys when strict, shape or dtype mismatches); on error nothing is changed.
+  // Each copy is an in-place write (Tensor::copy_): a graph that saved a parameter before the
+  // load refuses its backward.
   virtual void load_state_dict(const StateDict& sd, bool strict = true);
 
   // PyTorch-like printout: type, settings and children.
