@@ -245,7 +245,7 @@ void trace_one_step(const Options& o) {
   tg::tape().print(std::cout);
   if (!c.out.empty()) {
     fs::create_directories(c.out);
-    std::ofstream(fs::path(c.out) / "tape.dot") << tg::tape().to_dot();
+    lm::write_atomic((fs::path(c.out) / "tape.dot").string(), tg::tape().to_dot());  // a failed write is an error
     std::cout << "Graphviz: " << (fs::path(c.out) / "tape.dot").string() << " (dot -Tsvg tape.dot -o tape.svg)\n";
   }
   loss.backward();
@@ -316,6 +316,24 @@ std::vector<lm::RunResult> resume_run(const lm::TrainConfig& r, const tg::Metada
   return {lm::whole_run(res, r.out, static_cast<double>(r.batch_size * r.model.block_size))};
 }
 
+// The prompt of a sample from the finished run r.out, in the tokens of its checkpoint (vocab):
+// --prompt, else the first token of the run's training split, as the run's own samples.txt starts
+// (lm::Trainer::sample).
+std::vector<std::int32_t> sample_prompt(const lm::TrainConfig& r, const lm::Corpus& vocab) {
+  if (!r.prompt.empty()) return vocab.encode(r.prompt);
+  lm::Corpus chars;
+  try {
+    chars = lm::load_corpus(r.data, r.model.block_size);
+  } catch (const tg::Error& e) {
+    tg::fail("--sample", "without --prompt a sample starts from the first character of the run's corpus, which "
+             "cannot be read (", e.what(), "); give --prompt, or --data with the corpus's new path");
+  }
+  // A BPE token may span several characters: the split is encoded as the run encoded it.
+  const std::vector<std::int32_t> first =
+      vocab.encode(vocab.bpe ? chars.decode(chars.train) : chars.decode({chars.train.front()}));
+  return {first.front()};
+}
+
 // Samples from the finished run r.out without training or writing anything: its checkpoint's
 // weights, configuration and vocabulary; the prompt, then --sample characters, on stdout. False
 // when the run is not finished (it then resumes).
@@ -323,7 +341,7 @@ bool sample_finished_run(const lm::TrainConfig& r) {
   lm::Checkpoint ck = lm::read_checkpoint(r.out, r.model);
   if (static_cast<std::int64_t>(lm::meta_u64(ck.meta, "step", ck.file)) < r.steps) return false;
   const lm::Corpus vocab = lm::vocabulary_only(ck.meta["vocab"]);
-  const std::vector<std::int32_t> prompt = vocab.encode(r.prompt.empty() ? "\n" : r.prompt);
+  const std::vector<std::int32_t> prompt = sample_prompt(r, vocab);
   if (prompt.empty()) tg::fail("prompt", "is empty");
   tg::nn::GPT model(r.model);
   tg::StateDict weights;

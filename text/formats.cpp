@@ -12,6 +12,12 @@
 //
 // GPT-2's released files: encoder.json is {token: id} in the same alphabet, vocab.bpe a line
 // "#version: 0.2" then one merge "left right" per line, by rank. "<|endoftext|>" is its special token.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -326,13 +332,33 @@ std::string BpeTokenizer::to_tokenizer_json() const {
   return s;
 }
 
+// Through a fresh temporary file beside path (mkstemp), fsync'ed and renamed over it: a write that
+// fails (a full disk) or a process killed mid-write leaves an earlier file at path as it was.
 void BpeTokenizer::save(const std::string& path) const {
+  constexpr const char* fn = "BpeTokenizer::save";
   const std::string text = to_tokenizer_json();
-  std::ofstream f(path, std::ios::binary);
-  if (!f) fail("BpeTokenizer::save", "cannot write '", path, "'");
-  f << text;
-  f.flush();
-  if (!f) fail("BpeTokenizer::save", "writing '", path, "' failed");
+  std::string tmp = path + ".tmp.XXXXXX";
+  int fd = ::mkstemp(tmp.data());
+  if (fd < 0) fail(fn, "cannot write '", path, "': no temporary file beside it: ", std::strerror(errno));
+  try {
+    if (::fchmod(fd, 0644) != 0) fail(fn, "chmod of '", tmp, "' failed: ", std::strerror(errno));
+    for (std::size_t done = 0; done < text.size();) {
+      const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) fail(fn, "writing '", tmp, "' failed: ", n < 0 ? std::strerror(errno) : "no progress");
+      done += static_cast<std::size_t>(n);
+    }
+    if (::fsync(fd) != 0) fail(fn, "fsync of '", tmp, "' failed: ", std::strerror(errno));
+    const int f = fd;
+    fd = -1;
+    if (::close(f) != 0) fail(fn, "close of '", tmp, "' failed: ", std::strerror(errno));
+    if (::rename(tmp.c_str(), path.c_str()) != 0)
+      fail(fn, "rename of '", tmp, "' to '", path, "' failed: ", std::strerror(errno));
+  } catch (...) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
 }
 
 }  // namespace tg::text

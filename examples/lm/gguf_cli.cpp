@@ -2,6 +2,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <sstream>
 #include <tapegrad/nn/gguf_export.h>
 #include <tapegrad/text/byte_level.h>
 
@@ -42,6 +43,34 @@ std::string describe(const nn::GGUFVocab& v) {
   return v.is_bpe() ? "a BPE of " + n + " tokens and " + std::to_string(v.merges.size()) + " merges" : n + " characters";
 }
 
+// The flags that define the model, each with its value in a configuration (as --help spells it).
+struct ModelFlag {
+  const char* flag;
+  std::string (*value)(const nn::GPTConfig&);
+};
+const ModelFlag kModelFlags[] = {
+    {"--arch", [](const nn::GPTConfig& c) { return nn::to_string(c.arch); }},
+    {"--norm", [](const nn::GPTConfig& c) { return nn::to_string(c.norm); }},
+    {"--p", [](const nn::GPTConfig& c) { return (std::ostringstream() << c.p).str(); }},
+    {"--n-layer", [](const nn::GPTConfig& c) { return std::to_string(c.n_layer); }},
+    {"--n-head", [](const nn::GPTConfig& c) { return std::to_string(c.n_head); }},
+    {"--n-embd", [](const nn::GPTConfig& c) { return std::to_string(c.n_embd); }},
+    {"--block-size", [](const nn::GPTConfig& c) { return std::to_string(c.block_size); }},
+};
+
+// The file's configuration defines the run: a model flag given with another value is refused,
+// every difference listed, rather than quietly replaced by the file's.
+void check_model_flags(const CLI::App& app, const nn::GPTConfig& given, const nn::GPTConfig& file,
+                       const std::string& path) {
+  std::string diffs;
+  for (const ModelFlag& f : kModelFlags)
+    if (app.count(f.flag) && f.value(given) != f.value(file))
+      diffs += (diffs.empty() ? "" : ", ") + std::string(f.flag) + " " + f.value(given) + " (the file's: " + f.value(file) + ")";
+  if (!diffs.empty())
+    fail("--init-from", "the model is the one in '", path, "'; these flags differ from it: ", diffs,
+         ". Leave them out to start from the file");
+}
+
 }  // namespace
 
 void add_gguf_options(CLI::App& app, GGUFOptions& o) {
@@ -62,6 +91,7 @@ void settle_gguf_options(const GGUFOptions& o, const CLI::App& app, bool resumin
   if (resuming) fail("--init-from", "starts a new run; not with --resume");
   if (app.count("--compare")) fail("--init-from", "starts one run from the file's model; not with --compare");
   const nn::GGUFModel m = nn::load_gguf_model(o.init_from);
+  check_model_flags(app, c.model, m.config, o.init_from);
   const double dropout = c.model.dropout;
   c.model = m.config;
   c.model.dropout = dropout;

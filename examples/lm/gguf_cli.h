@@ -6,8 +6,9 @@
 //       and no file is written);
 //   --init-from FILE.gguf
 //       a new run whose configuration (arch, norm, sizes, eps) and starting weights are the
-//       file's; the corpus must have the file's vocabulary: its characters, or for a BPE file
-//       (llama.cpp's gpt2 tokenizer) the run's tokenizer must have the file's tokens and merges.
+//       file's (a model flag given with another value, --n-embd say, is refused); the corpus must
+//       have the file's vocabulary: its characters, or for a BPE file (llama.cpp's gpt2
+//       tokenizer) the run's tokenizer must have the file's tokens and merges.
 #include <string>
 
 #include "lm/trainer.h"
@@ -27,7 +28,9 @@ struct GGUFOptions {
 void add_gguf_options(CLI::App& app, GGUFOptions& o);
 // The combinations that make sense: --export-gguf with --resume only, --gguf-dtype with
 // --export-gguf, --init-from without --resume. Then, for --init-from, the file's configuration
-// into c.model and the file into c.init_from. Throws tg::Error with the reason.
+// into c.model and the file into c.init_from. Throws tg::Error with the reason, also listing the
+// model flags (--arch, --norm, --p, --n-layer, --n-head, --n-embd, --block-size) given with a
+// value other than the file's.
 void settle_gguf_options(const GGUFOptions& o, const CLI::App& app, bool resuming, TrainConfig& c);
 
 // --resume DIR --export-gguf FILE. Returns a one-line summary of what was written.

@@ -28,7 +28,8 @@ bool is_run_file(const std::string& name) {
   return false;
 }
 
-// A temporary file of a run file: "<run file>.tmp", "<run file>.<pid>.tmp" or "<run file>.<pid>".
+// A temporary file of a run file or of a BPE run's tokenizer.json (which --overwrite keeps: a new
+// run may be given it with --tokenizer): "<file>.tmp", "<file>.<pid>.tmp" or "<file>.<pid>".
 bool is_run_temp(const std::string& name) {
   const bool tmp = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
   std::string stem = tmp ? name.substr(0, name.size() - 4) : name;
@@ -38,7 +39,7 @@ bool is_run_temp(const std::string& name) {
     stem.resize(dot);
   else if (!tmp)
     return false;
-  return is_run_file(stem);
+  return is_run_file(stem) || stem == "tokenizer.json";
 }
 
 // Every regular file in dir and up to two directory levels below it (<norm>/seed<N>/).

@@ -59,6 +59,35 @@ endif()
 message(STATUS "train_lm --resume ${run} --sample 20 --prompt 'a small' -> ${text}")
 expect_error(--resume ${run} --sample 20 --prompt "ROMEO")
 
+# Without --prompt, a finished run's sample starts from the corpus's first character, as the run's
+# samples.txt does: the same text, also from a corpus that has no newline. When the corpus is gone,
+# one line asks for --prompt or its new path.
+file(READ ${WORK_DIR}/ok.txt ok_text)
+string(REPLACE "\n" " " one_line "${ok_text}")
+file(WRITE ${WORK_DIR}/one_line.txt "${one_line}")
+file(REMOVE ${WORK_DIR}/one_line_moved.txt)
+set(flat ${WORK_DIR}/finished_one_line)
+file(REMOVE_RECURSE ${flat})
+execute_process(COMMAND ${TRAIN_LM} --data ${WORK_DIR}/one_line.txt --steps 3 --n-layer 1 --n-embd 16 --n-head 2
+                        --block-size 8 --batch-size 2 --eval-iters 1 --sample 20 --quiet --out ${flat}
+                RESULT_VARIABLE rc OUTPUT_QUIET ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "training on one line failed (${rc}): ${err}")
+endif()
+file(READ ${flat}/samples.txt expected)
+execute_process(COMMAND ${TRAIN_LM} --resume ${flat} --sample 20 RESULT_VARIABLE rc OUTPUT_VARIABLE text ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT text STREQUAL expected)
+  message(FATAL_ERROR "--resume --sample without --prompt: exit ${rc}, '${text}', samples.txt '${expected}': ${err}")
+endif()
+file(RENAME ${WORK_DIR}/one_line.txt ${WORK_DIR}/one_line_moved.txt)
+expect_error_says("--sample: without --prompt a sample starts from the first character of the run's corpus"
+                  --resume ${flat} --sample 20)
+execute_process(COMMAND ${TRAIN_LM} --resume ${flat} --data ${WORK_DIR}/one_line_moved.txt --sample 20
+                RESULT_VARIABLE rc OUTPUT_VARIABLE text ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT text STREQUAL expected)
+  message(FATAL_ERROR "--resume --data (moved) --sample: exit ${rc}, '${text}', samples.txt '${expected}': ${err}")
+endif()
+
 # Unclear inputs of earlier versions: each is one line naming the flag or file and the reason.
 expect_error_says("data: '${WORK_DIR}' is a directory" --data ${WORK_DIR})
 expect_error_says("data: '/dev/zero' is not a regular file" --data /dev/zero)
@@ -93,3 +122,17 @@ if(NOT rc EQUAL 0)
 endif()
 file(APPEND ${WORK_DIR}/changing.txt "QXZ!\n")
 expect_error_says("has another vocabulary" --resume ${vocab_run} --steps 6)
+
+# --trace --out writes tape.dot whole or says why not: a write that fails (the file size limit, as
+# a full disk) is one error line, not a claim of a file left empty.
+set(trace_dir ${WORK_DIR}/trace_no_space)
+file(REMOVE_RECURSE ${trace_dir})
+execute_process(COMMAND sh -c "trap '' XFSZ; ulimit -f 0; exec \"$0\" \"$@\"" ${TRAIN_LM} --data ${WORK_DIR}/ok.txt
+                        --n-layer 1 --n-embd 16 --n-head 2 --block-size 8 --batch-size 2 --trace --out ${trace_dir}
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+string(STRIP "${err}" err)
+if(NOT rc EQUAL 2 OR NOT err MATCHES "^train_lm: error: write: .*tape.dot.*File too large$" OR out MATCHES "Graphviz:"
+   OR EXISTS ${trace_dir}/tape.dot)
+  message(FATAL_ERROR "--trace --out with no room: expected exit 2 and one line naming tape.dot, got exit ${rc}:\n${err}")
+endif()
+message(STATUS "train_lm --trace --out (no room) -> ${err}")

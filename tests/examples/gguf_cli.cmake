@@ -109,6 +109,9 @@ expect_refusal("gpt arch" --resume ${WORK_DIR}/gpt --export-gguf ${WORK_DIR}/out
 expect_refusal("needs --resume" ${tiny} --export-gguf ${WORK_DIR}/out/x.gguf)
 expect_refusal("applies to --export-gguf only" ${tiny} --gguf-dtype bf16)
 expect_refusal("not with --resume" --resume ${WORK_DIR}/llama --init-from ${WORK_DIR}/llama.gguf)
+# The file defines the model: a model flag with another value is refused, not quietly replaced.
+expect_refusal("--init-from: the model is the one in '.*llama.gguf'; these flags differ from it: --arch gpt \\(the file's: llama\\), --n-embd 32 \\(the file's: 16\\), --block-size 16 \\(the file's: 8\\)"
+               ${tiny} --arch gpt --n-embd 32 --block-size 16 --init-from ${WORK_DIR}/llama.gguf --out ${WORK_DIR}/out/flags)
 expect_refusal("not with --compare" ${tiny} --compare --init-from ${WORK_DIR}/llama.gguf)
 expect_refusal("cannot open" ${tiny} --init-from ${WORK_DIR}/missing.gguf)
 expect_refusal("not a GGUF file" ${tiny} --init-from ${WORK_DIR}/ok.txt)

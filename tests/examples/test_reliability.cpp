@@ -724,6 +724,7 @@ TEST_CASE("the run lock keeps other processes out, not the holder, and temporary
   write_file(dir / "checkpoint.safetensors.999998", "stale");
   write_file(dir / "metrics.csv.tmp", "stale");
   write_file(dir / "val_bpb.svg.999997.tmp", "stale");  // every report file's, the bits-per-byte chart's too
+  write_file(dir / "tokenizer.json.999996.tmp", "stale");  // a BPE run's tokenizer.json's too
   write_file(dir / "notes.tmp", "mine");
   write_file(dir / "notes.123", "mine");
   auto other_process_locks = [&] {  // 0: it took the lock; 3: refused with tg::Error saying so
@@ -746,6 +747,7 @@ TEST_CASE("the run lock keeps other processes out, not the holder, and temporary
     CHECK_FALSE(fs::exists(dir / "checkpoint.safetensors.999998"));
     CHECK_FALSE(fs::exists(dir / "metrics.csv.tmp"));
     CHECK_FALSE(fs::exists(dir / "val_bpb.svg.999997.tmp"));
+    CHECK_FALSE(fs::exists(dir / "tokenizer.json.999996.tmp"));
     CHECK(fs::exists(dir / "notes.tmp"));
     CHECK(fs::exists(dir / "notes.123"));
     const lm::RunLock b(dir.string());  // the same process (the program, then its trainer): shared

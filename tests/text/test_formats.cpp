@@ -1,3 +1,12 @@
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <tapegrad/text/bpe.h>
 #include <tapegrad/text/byte_level.h>
@@ -63,6 +72,40 @@ TEST_CASE("tokenizer.json: load() reads the file, save() writes it", "[text]") {
   CHECK_THAT(error_of([&] { BpeTokenizer::load(tmp.path("missing.json")); }),
              Catch::Contains("BpeTokenizer::load") && Catch::Contains("cannot open"));
   CHECK_THAT(error_of([&] { t.save(tmp.path("no/such/dir/tokenizer.json")); }), Catch::Contains("cannot write"));
+}
+
+TEST_CASE("tokenizer.json: a save that fails (the file size limit, as a full disk) keeps the earlier file", "[text]") {
+  text_test::TempDir tmp;
+  const std::string file = tmp.path("tokenizer.json");
+  text_test::write_file(file, "the earlier tokenizer");
+  tg::text::BpeTrainOptions o;
+  o.vocab_size = 300;
+  const BpeTokenizer t = BpeTokenizer::train(std::string(kSample) + " the cat sat on the mat", o);
+  REQUIRE(t.to_tokenizer_json().size() > 4000);
+  std::cout.flush();
+  const pid_t pid = ::fork();
+  if (pid == 0) {  // a process whose files may not grow past 1000 bytes: write(2) fails with EFBIG
+    ::signal(SIGXFSZ, SIG_IGN);
+    const rlimit limit{1000, 1000};
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    try {
+      t.save(file);
+      ::_exit(1);
+    } catch (const tg::Error& e) {
+      ::_exit(std::strstr(e.what(), "BpeTokenizer::save") && std::strstr(e.what(), "File too large") ? 0 : 2);
+    }
+  }
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  std::ifstream in(file, std::ios::binary);
+  CHECK(std::string(std::istreambuf_iterator<char>(in), {}) == "the earlier tokenizer");
+  std::size_t files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(tmp.dir)) files += e.is_regular_file();
+  CHECK(files == 1);  // no temporary file left beside it
+  t.save(file);
+  CHECK(BpeTokenizer::load(file).encode(kSample) == t.encode(kSample));
 }
 
 TEST_CASE("tokenizer.json: damaged files are refused with the field named", "[text]") {

@@ -60,7 +60,8 @@ class BpeTokenizer {
   // A tokenizer.json, or an encoder.json with vocab.bpe in the same directory.
   static BpeTokenizer load(const std::string& path);
   std::string to_tokenizer_json() const;
-  void save(const std::string& path) const;  // as tokenizer.json
+  // As tokenizer.json, whole or not at all: a failed write leaves an earlier file at path as it was.
+  void save(const std::string& path) const;
 
   std::vector<std::int32_t> encode(std::string_view bytes) const;
   void encode(std::string_view bytes, std::vector<std::int32_t>& out) const;  // appends to out
