@@ -537,6 +537,7 @@ StepLR::StepLR(double lr, std::int64_t step_size, double gamma) : lr_(lr), step_
   if (!(gamma > 0) || !std::isfinite(gamma)) fail("StepLR", "invalid gamma: ", gamma);
 }
 double StepLR::operator()(std::int64_t step) const {
+  if (step < 0) fail("StepLR", "step must be >= 0, got ", step);
   return lr_ * std::pow(gamma_, static_cast<double>(step / step_size_));
 }
 
@@ -548,6 +549,7 @@ WarmupCosineLR::WarmupCosineLR(double lr, double min_lr, std::int64_t warmup, st
   if (decay < 0) fail("WarmupCosineLR", "decay_steps must be >= 0, got ", decay);
 }
 double WarmupCosineLR::operator()(std::int64_t it) const {
+  if (it < 0) fail("WarmupCosineLR", "step must be >= 0, got ", it);
   if (it < warmup_) return lr_ * static_cast<double>(it + 1) / static_cast<double>(warmup_ + 1);
   if (it > decay_ || decay_ <= warmup_) return min_lr_;  // (a run shorter than its warmup never gets here)
   const double ratio = static_cast<double>(it - warmup_) / static_cast<double>(decay_ - warmup_);

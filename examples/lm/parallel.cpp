@@ -85,12 +85,6 @@ std::string run_text(const TrainConfig& cfg, std::int64_t step, const tg::Genera
   return j.dump();
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
-
 }  // namespace
 
 // ---- the job ----

@@ -317,12 +317,16 @@ int Trainer::stop_requested() const { return par_->agree_stop(stop_signal()); }
 // The first steps are left out while caches and the allocator warm up. Linear in the steps (the
 // progress line asks every 10 steps): nth_element puts the upper middle value at h and only
 // smaller or equal ones before it, whose largest is the lower middle.
+double median(std::vector<double> v) {
+  if (v.empty()) return std::nan("");
+  const auto h = v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2);
+  std::nth_element(v.begin(), h, v.end());  // linear time: the progress line asks every 10 steps
+  return v.size() % 2 ? *h : (*std::max_element(v.begin(), h) + *h) / 2;
+}
+
 double steady_median_ms(std::vector<double> ms) {
-  if (ms.empty()) return std::nan("");
   ms.erase(ms.begin(), ms.begin() + static_cast<std::ptrdiff_t>(std::min<std::size_t>(10, ms.size() / 2)));
-  const auto h = ms.begin() + static_cast<std::ptrdiff_t>(ms.size() / 2);
-  std::nth_element(ms.begin(), h, ms.end());
-  return ms.size() % 2 ? *h : (*std::max_element(ms.begin(), h) + *h) / 2;
+  return median(std::move(ms));
 }
 
 double Trainer::median_ms() const { return steady_median_ms(times_); }

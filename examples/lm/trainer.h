@@ -181,10 +181,12 @@ RunResult train(const TrainConfig& cfg, const Corpus& corpus, bool resume = fals
 // The configuration stored in a run directory's checkpoint (for --resume).
 TrainConfig read_checkpoint_config(const std::string& dir);
 
+// The median as Python's statistics.median takes it: the middle value, or the mean of the two
+// middle values of an even count. NaN for no values. Every median a run reports is this one.
+double median(std::vector<double> v);
 // The median step time of a run's step times (ms, in order): the first steps left out (up to 10,
-// at most half), then the median as Python's statistics.median takes it (the mean of the two
-// middle values of an even count), so that a run's figure and the PyTorch reference's
-// (torch_gpt.py) are the same statistic. NaN for no steps.
+// at most half), then median(), so that a run's figure and the PyTorch reference's (torch_gpt.py)
+// are the same statistic. NaN for no steps.
 double steady_median_ms(std::vector<double> ms);
 
 // Resident-set high-water mark of this process in MiB, and a reset of it (Linux clear_refs).

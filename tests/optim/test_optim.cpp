@@ -259,6 +259,9 @@ TEST_CASE("a run shorter than its warmup warms up for all its steps, as the refe
   for (std::int64_t it = 0; it < 30; ++it) CHECK(s(it) == 1e-3 * static_cast<double>(it + 1) / 101.0);
   CHECK(s(100) == 1e-4);  // after the warmup, past the decay: min_lr
   REQUIRE_TG_ERROR(optim::WarmupCosineLR(1e-3, 1e-4, 10, -1), "WarmupCosineLR", "decay_steps");
+  // A step before the first (a negative one) has no rate; the formulas would give a negative lr.
+  REQUIRE_TG_ERROR(s(-5), "WarmupCosineLR", "step must be >= 0", "-5");
+  REQUIRE_TG_ERROR(optim::StepLR(1e-3, 10)(-1), "StepLR", "step must be >= 0", "-1");
 }
 
 TEST_CASE("clip_grad_norm and clip_grad_value match PyTorch 1.13", "[optim]") {
@@ -316,6 +319,24 @@ TEST_CASE("clip_grad_norm and clip_grad_value match PyTorch 1.13", "[optim]") {
         REQUIRE(bit_equal(ps[i].grad(), from_json(clipped[i])));  // clamping is exact
       }
     }
+  }
+  SECTION("a total that is not finite: NaN leaves the gradients, infinity scales them by 0") {
+    auto param_with = [](std::vector<double> g) {
+      Tensor p = tg::zeros({static_cast<std::int64_t>(g.size())}, tg::float64);
+      p.requires_grad_();
+      tg::sum(p * tg::tensor(g, {static_cast<std::int64_t>(g.size())}, tg::float64)).backward();
+      return p;
+    };
+    std::vector<Tensor> nan_ps{param_with({3.0, std::nan("")}), param_with({4.0})};
+    REQUIRE(std::isnan(optim::clip_grad_norm(nan_ps, 1.0)));
+    CHECK(nan_ps[0].grad().at({0}) == 3.0);
+    CHECK(std::isnan(nan_ps[0].grad().at({1})));
+    CHECK(nan_ps[1].grad().at({0}) == 4.0);
+    std::vector<Tensor> inf_ps{param_with({3.0, INFINITY}), param_with({-4.0})};
+    REQUIRE(std::isinf(optim::clip_grad_norm(inf_ps, 1.0)));
+    CHECK(inf_ps[0].grad().at({0}) == 0.0);
+    CHECK(std::isnan(inf_ps[0].grad().at({1})));  // inf * 0, as in PyTorch
+    CHECK(inf_ps[1].grad().at({0}) == 0.0);
   }
 }
 

@@ -130,6 +130,7 @@ class AdamW : public Adam {
 class Schedule {
  public:
   virtual ~Schedule() = default;
+  // The learning rate at step >= 0 (the steps a run counts from 0).
   virtual double operator()(std::int64_t step) const = 0;
   // opt.set_lr(this(step))
   void apply(Optimizer& opt, std::int64_t step) const { opt.set_lr((*this)(step)); }
@@ -181,7 +182,9 @@ class WarmupCosineLR : public Schedule {
 double grad_norm(const std::vector<Tensor>& params);
 // Scales every gradient by max_norm / (total + 1e-6) when the total L2 norm over all of them
 // exceeds max_norm (PyTorch's rule). Returns the total norm before clipping (grad_norm). Parameters
-// without a gradient are ignored.
+// without a gradient are ignored. An infinite total scales them by 0, as PyTorch's; a NaN total
+// leaves them as they are (PyTorch 1.13 multiplies them by NaN), for the caller to test the
+// returned norm and skip the step.
 double clip_grad_norm(const std::vector<Tensor>& params, double max_norm);
 // Clamps every gradient element to [-clip_value, clip_value].
 void clip_grad_value(const std::vector<Tensor>& params, double clip_value);
