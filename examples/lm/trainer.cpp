@@ -398,6 +398,9 @@ void Trainer::save_model() {
 // finishes instead: its final checkpoint is written already.
 RunResult train(const TrainConfig& cfg, const Corpus& corpus, bool resume) {
   Trainer t(cfg, corpus, resume);
+  // A new run of 0 steps still leaves its step-0 checkpoint, so that its directory resumes like
+  // any other (a resumed run has its checkpoint already, and a finished one is left untouched).
+  if (!resume && t.done()) t.checkpoint();
   while (!t.done()) {
     t.train_step();
     t.report_progress();
