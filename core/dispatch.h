@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "kernels/bf16.h"
+#include "tapegrad/autograd.h"
 #include "tapegrad/error.h"
 #include "tapegrad/tensor.h"
 
@@ -78,6 +79,17 @@ inline void check_float(const char* op, const Tensor& t) {
   check_defined(op, t);
   if (is_storage_only(t.dtype())) fail_storage_only(op, t.dtype(), &t.shape());
   if (!is_floating(t.dtype())) fail(op, "expected a float32 or float64 tensor, got ", t.dtype(), " ", t.shape());
+}
+
+// An in-place write is not recorded on the tape. Into a tensor that a recorded op made, it would
+// leave that op's node in place, and a backward through the tensor would pass the gradient of the
+// new values on to the inputs that made the old ones: a wrong gradient, silently. Refused while
+// recording is on (PyTorch records the write instead, which tapegrad's tape cannot do).
+inline void check_no_history(const char* op, const Tensor& t) {
+  if (grad_enabled() && !t.is_leaf() && t.requires_grad())
+    fail(op, "cannot write in place into a ", t.dtype(), ' ', t.shape(),
+         " tensor made by a recorded op: the write is not recorded, so a backward would send its gradient to the "
+         "values it replaced; write into clone() of it, or into a leaf");
 }
 
 inline void check_same_dtype(const char* op, const Tensor& a, const Tensor& b) {

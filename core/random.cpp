@@ -68,6 +68,7 @@ void fill_normal(T* p, std::int64_t n, double mean, double std, std::uint64_t se
 
 void normal_(Tensor& t, double mean, double std, Generator* gen) {
   detail::check_float("normal_", t);
+  detail::check_no_history("normal_", t);
   if (!(std >= 0) || !std::isfinite(std) || !std::isfinite(mean)) fail("normal_", "invalid mean ", mean, " or std ", std);
   Generator& g = pick(gen);
   const std::int64_t n = t.numel();
@@ -81,6 +82,7 @@ void normal_(Tensor& t, double mean, double std, Generator* gen) {
 
 void uniform_(Tensor& t, double low, double high, Generator* gen) {
   detail::check_float("uniform_", t);
+  detail::check_no_history("uniform_", t);
   if (!(low <= high) || !std::isfinite(low) || !std::isfinite(high)) fail("uniform_", "invalid range [", low, ", ", high, ")");
   Generator& g = pick(gen);
   const std::int64_t n = t.numel();

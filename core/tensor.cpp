@@ -28,16 +28,6 @@ T element(const char* op, double v, const Shape& shape) {
   return detail::from_double<T>(v);
 }
 
-// An in-place write is not recorded on the tape. Into a tensor that a recorded op made, it would
-// leave that op's node in place, and a backward through the tensor would pass the gradient of the
-// new values on to the inputs that made the old ones: a wrong gradient, silently. Refused while
-// recording is on (PyTorch records the write instead, which tapegrad's tape cannot do).
-void check_no_history(const char* op, const Tensor& t) {
-  if (grad_enabled() && !t.is_leaf() && t.requires_grad())
-    fail(op, "cannot write in place into a ", t.dtype(), ' ', t.shape(),
-         " tensor made by a recorded op: the write is not recorded, so a backward would send its gradient to the "
-         "values it replaced; write into clone() of it, or into a leaf");
-}
 
 }  // namespace
 
@@ -80,7 +70,7 @@ double Tensor::at(std::initializer_list<std::int64_t> idx) const {
 
 void Tensor::set(std::initializer_list<std::int64_t> idx, double v) {
   const std::int64_t i = flat_index(idx, "set");
-  check_no_history("set", *this);
+  detail::check_no_history("set", *this);
   detail::dispatch_all(dtype_, [&](auto t) {
     using T = decltype(t);
     static_cast<T*>(storage_->data)[i] = element<T>("set", v, shape_);
@@ -92,7 +82,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
   detail::check_defined("copy_", *this, "destination");
   detail::check_defined("copy_", src, "source");
   if (!(src.shape() == shape_)) fail("copy_", "source shape ", src.shape(), " differs from destination ", shape_);
-  check_no_history("copy_", *this);
+  detail::check_no_history("copy_", *this);
   if (src.dtype() == dtype_) {
     if (nbytes()) std::memmove(raw_data(), src.raw_data(), nbytes());
   } else {

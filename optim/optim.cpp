@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <numbers>
+#include <optional>
 #include <sstream>
 #include <type_traits>
 
@@ -289,8 +289,7 @@ void Optimizer::load_state_dict(const StateDict& sd) {
     for (auto& p : g.params) params.push_back(&p);
   std::vector<std::string> errors;
   std::vector<std::vector<std::pair<std::string, Tensor>>> next(state_.size());
-  const double missing = std::numeric_limits<double>::lowest();  // no key gave the value
-  std::vector<double> lrs(groups_.size(), missing), wds(groups_.size(), missing);
+  std::vector<std::optional<double>> lrs(groups_.size()), wds(groups_.size());  // empty: no key gave it
   // A key this optimizer never creates (another optimizer's buffer, a typo, amsgrad's maximum
   // without amsgrad) or a scalar where a buffer belongs would otherwise be accepted and then read
   // out of bounds or silently ignored by step(). (PyTorch 1.13's load_state_dict copies state
@@ -325,8 +324,8 @@ void Optimizer::load_state_dict(const StateDict& sd) {
   for (std::size_t g = 0; g < groups_.size(); ++g)
     for (const auto& [what, v] : {std::pair{"lr", lrs[g]}, {"weight_decay", wds[g]}}) {
       const std::string key = "group." + std::to_string(g) + "." + what;
-      if (v == missing) errors.push_back(key + ": missing");
-      else if (!(v >= 0) || !std::isfinite(v)) errors.push_back(key + ": must be finite and >= 0, got " + num(v));
+      if (!v) errors.push_back(key + ": missing");
+      else if (!(*v >= 0) || !std::isfinite(*v)) errors.push_back(key + ": must be finite and >= 0, got " + num(*v));
     }
   if (!errors.empty()) {
     std::ostringstream s;
@@ -334,8 +333,8 @@ void Optimizer::load_state_dict(const StateDict& sd) {
     fail(name_.c_str(), "load_state_dict: the state does not fit this optimizer; nothing was loaded", s.str());
   }
   for (std::size_t g = 0; g < groups_.size(); ++g) {
-    groups_[g].lr = lrs[g];
-    groups_[g].weight_decay = wds[g];
+    groups_[g].lr = *lrs[g];
+    groups_[g].weight_decay = *wds[g];
   }
   state_ = std::move(next);
 }

@@ -13,9 +13,9 @@
 // GPT-2's released files: encoder.json is {token: id} in the same alphabet, vocab.bpe a line
 // "#version: 0.2" then one merge "left right" per line, by rank. "<|endoftext|>" is its special token.
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -332,16 +332,18 @@ std::string BpeTokenizer::to_tokenizer_json() const {
   return s;
 }
 
-// Through a fresh temporary file beside path (mkstemp), fsync'ed and renamed over it: a write that
-// fails (a full disk) or a process killed mid-write leaves an earlier file at path as it was.
+// Through a temporary file beside path, fsync'ed, renamed over it, then the directory fsync'ed:
+// a write that fails (a full disk) or a process killed mid-write leaves an earlier file at path as
+// it was, and a completed save survives a power cut. The file is created 0666 less the umask, as
+// an ofstream's would be; its name (pid and a count) is this save's alone.
 void BpeTokenizer::save(const std::string& path) const {
   constexpr const char* fn = "BpeTokenizer::save";
+  static std::atomic<unsigned> saves{0};
   const std::string text = to_tokenizer_json();
-  std::string tmp = path + ".tmp.XXXXXX";
-  int fd = ::mkstemp(tmp.data());
+  const std::string tmp = path + "." + std::to_string(::getpid()) + "." + std::to_string(saves++) + ".tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0) fail(fn, "cannot write '", path, "': no temporary file beside it: ", std::strerror(errno));
   try {
-    if (::fchmod(fd, 0644) != 0) fail(fn, "chmod of '", tmp, "' failed: ", std::strerror(errno));
     for (std::size_t done = 0; done < text.size();) {
       const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
       if (n < 0 && errno == EINTR) continue;
@@ -358,6 +360,12 @@ void BpeTokenizer::save(const std::string& path) const {
     if (fd >= 0) ::close(fd);
     ::unlink(tmp.c_str());
     throw;
+  }
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  const int d = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (d >= 0) {  // the rename is on disk once the directory is (a directory that cannot be opened: best effort)
+    ::fsync(d);
+    ::close(d);
   }
 }
 

@@ -44,6 +44,7 @@ std::string describe(const nn::GGUFVocab& v) {
 }
 
 // The flags that define the model, each with its value in a configuration (as --help spells it).
+// (--p is not among them: a GGUF model's norm is RMSNorm, which --p does not shape.)
 struct ModelFlag {
   const char* flag;
   std::string (*value)(const nn::GPTConfig&);
@@ -51,7 +52,6 @@ struct ModelFlag {
 const ModelFlag kModelFlags[] = {
     {"--arch", [](const nn::GPTConfig& c) { return nn::to_string(c.arch); }},
     {"--norm", [](const nn::GPTConfig& c) { return nn::to_string(c.norm); }},
-    {"--p", [](const nn::GPTConfig& c) { return (std::ostringstream() << c.p).str(); }},
     {"--n-layer", [](const nn::GPTConfig& c) { return std::to_string(c.n_layer); }},
     {"--n-head", [](const nn::GPTConfig& c) { return std::to_string(c.n_head); }},
     {"--n-embd", [](const nn::GPTConfig& c) { return std::to_string(c.n_embd); }},

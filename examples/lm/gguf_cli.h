@@ -29,7 +29,7 @@ void add_gguf_options(CLI::App& app, GGUFOptions& o);
 // The combinations that make sense: --export-gguf with --resume only, --gguf-dtype with
 // --export-gguf, --init-from without --resume. Then, for --init-from, the file's configuration
 // into c.model and the file into c.init_from. Throws tg::Error with the reason, also listing the
-// model flags (--arch, --norm, --p, --n-layer, --n-head, --n-embd, --block-size) given with a
+// model flags (--arch, --norm, --n-layer, --n-head, --n-embd, --block-size) given with a
 // value other than the file's.
 void settle_gguf_options(const GGUFOptions& o, const CLI::App& app, bool resuming, TrainConfig& c);
 

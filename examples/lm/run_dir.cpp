@@ -28,18 +28,20 @@ bool is_run_file(const std::string& name) {
   return false;
 }
 
-// A temporary file of a run file or of a BPE run's tokenizer.json (which --overwrite keeps: a new
-// run may be given it with --tokenizer): "<file>.tmp", "<file>.<pid>.tmp" or "<file>.<pid>".
+// A temporary file of a run file, "<file>.tmp", "<file>.<pid>.tmp" or "<file>.<pid>", or of a BPE
+// run's tokenizer.json (which --overwrite keeps: a new run may be given it with --tokenizer),
+// "tokenizer.json.<pid>.tmp".
 bool is_run_temp(const std::string& name) {
   const bool tmp = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
   std::string stem = tmp ? name.substr(0, name.size() - 4) : name;
   const auto dot = stem.rfind('.');
-  if (dot != std::string::npos && dot + 1 < stem.size() &&
-      stem.find_first_not_of("0123456789", dot + 1) == std::string::npos)
-    stem.resize(dot);
-  else if (!tmp)
-    return false;
-  return is_run_file(stem) || stem == "tokenizer.json";
+  const bool pid = dot != std::string::npos && dot + 1 < stem.size() &&
+                   stem.find_first_not_of("0123456789", dot + 1) == std::string::npos;
+  if (pid) stem.resize(dot);
+  else if (!tmp) return false;
+  // tokenizer.json is not a run file (a user may keep copies of it beside it): only write_atomic's
+  // "tokenizer.json.<pid>.tmp" is its temporary file.
+  return is_run_file(stem) || (stem == "tokenizer.json" && tmp && pid);
 }
 
 // Every regular file in dir and up to two directory levels below it (<norm>/seed<N>/).

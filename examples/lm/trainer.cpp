@@ -314,16 +314,16 @@ int Trainer::stop_requested() const { return par_->agree_stop(stop_signal()); }
 
 // ---- report ----
 
-// The first steps are left out while caches and the allocator warm up. Linear in the steps (the
-// progress line asks every 10 steps): nth_element puts the upper middle value at h and only
-// smaller or equal ones before it, whose largest is the lower middle.
+// Linear in the values (the progress line asks every 10 steps): nth_element puts the upper middle
+// value at h and only smaller or equal ones before it, whose largest is the lower middle.
 double median(std::vector<double> v) {
   if (v.empty()) return std::nan("");
   const auto h = v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2);
-  std::nth_element(v.begin(), h, v.end());  // linear time: the progress line asks every 10 steps
+  std::nth_element(v.begin(), h, v.end());
   return v.size() % 2 ? *h : (*std::max_element(v.begin(), h) + *h) / 2;
 }
 
+// The first steps are left out while caches and the allocator warm up.
 double steady_median_ms(std::vector<double> ms) {
   ms.erase(ms.begin(), ms.begin() + static_cast<std::ptrdiff_t>(std::min<std::size_t>(10, ms.size() / 2)));
   return median(std::move(ms));

@@ -112,13 +112,15 @@ TEST_CASE("an in-place write to a saved tensor is refused at backward time, nami
   for (std::int64_t i = 0; i < 3; ++i) CHECK(a.grad().at({i}) == b.at({i}));
 }
 
-TEST_CASE("copy_ and set into a tensor made by a recorded op are refused while recording") {
+TEST_CASE("copy_, set, normal_ and uniform_ into a tensor made by a recorded op are refused while recording") {
   // Neither write is recorded: y = a * 2 overwritten with zeros would still send d sum(y) / dy = 1
   // back through mul, giving a the gradient 2 of values y no longer holds (PyTorch gives 0).
   Tensor a = param64({3}, 12);
   Tensor y = a * 2.0;
   REQUIRE_TG_ERROR(y.copy_(zeros({3}, float64)), "copy_", "float64 (3,)", "recorded op");
   REQUIRE_TG_ERROR(y.set({0}, 1.0), "set", "float64 (3,)", "recorded op");
+  REQUIRE_TG_ERROR(normal_(y), "normal_", "float64 (3,)", "recorded op");
+  REQUIRE_TG_ERROR(uniform_(y), "uniform_", "float64 (3,)", "recorded op");
   sum(y).backward();  // y is unchanged, so its gradient is right
   for (std::int64_t i = 0; i < 3; ++i) CHECK(a.grad().at({i}) == 2.0);
   // Allowed: a leaf (a parameter's own values), a detached tensor, anything under NoGradGuard.

@@ -1,5 +1,6 @@
 // Tensor basics: factories, dtypes, element access, views and copies, printing, the seeded generator.
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -76,11 +77,18 @@ TEST_CASE("an int32 tensor refuses a value that has no int32, in every factory a
 }
 
 TEST_CASE("to_vector refuses an undefined tensor and a float that has no value of the integer type") {
-  REQUIRE_TG_ERROR(Tensor().to_vector<double>(), "to_vector", "undefined");  // (it read a null pointer)
+  REQUIRE_TG_ERROR(Tensor().to_vector<double>(), "to_vector", "undefined");
   REQUIRE_TG_ERROR(tensor({1, std::nan("")}, {2}).to_vector<int>(), "to_vector", "value nan", "position 1", "float32 (2,)");
   REQUIRE_TG_ERROR(tensor({-3e9}, {1}, float64).to_vector<int>(), "to_vector", "-3e+09");
   CHECK(tensor({-2.7, 2.7, 3e9}, {3}, float64).to_vector<std::int64_t>() == std::vector<std::int64_t>{-2, 2, 3000000000});
   CHECK(tensor({-2.7, 2.7}, {2}).to_vector<int>() == std::vector<int>{-2, 2});
+  // Each end of the type's range: -2^63 fits int64, 2^63 does not; -2^31 - 0.5 truncates into int32.
+  CHECK(tensor({-0x1p63}, {1}, float64).to_vector<std::int64_t>() ==
+        std::vector<std::int64_t>{std::numeric_limits<std::int64_t>::min()});
+  REQUIRE_TG_ERROR(tensor({0x1p63}, {1}, float64).to_vector<std::int64_t>(), "to_vector", "does not fit");
+  CHECK(tensor({-2147483648.5, 2147483647.5}, {2}, float64).to_vector<std::int32_t>() ==
+        std::vector<std::int32_t>{std::numeric_limits<std::int32_t>::min(), std::numeric_limits<std::int32_t>::max()});
+  REQUIRE_TG_ERROR(tensor({-2147483649.0}, {1}, float64).to_vector<std::int32_t>(), "to_vector", "does not fit");
 }
 
 TEST_CASE("set and at round-trip through every dtype") {

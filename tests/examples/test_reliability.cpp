@@ -727,6 +727,8 @@ TEST_CASE("the run lock keeps other processes out, not the holder, and temporary
   write_file(dir / "tokenizer.json.999996.tmp", "stale");  // a BPE run's tokenizer.json's too
   write_file(dir / "notes.tmp", "mine");
   write_file(dir / "notes.123", "mine");
+  write_file(dir / "tokenizer.json.1", "mine");  // a user's copies of a tokenizer are not a run's files
+  write_file(dir / "tokenizer.json.tmp", "mine");
   auto other_process_locks = [&] {  // 0: it took the lock; 3: refused with tg::Error saying so
     std::cout.flush();
     const pid_t pid = ::fork();
@@ -750,6 +752,8 @@ TEST_CASE("the run lock keeps other processes out, not the holder, and temporary
     CHECK_FALSE(fs::exists(dir / "tokenizer.json.999996.tmp"));
     CHECK(fs::exists(dir / "notes.tmp"));
     CHECK(fs::exists(dir / "notes.123"));
+    CHECK(fs::exists(dir / "tokenizer.json.1"));
+    CHECK(fs::exists(dir / "tokenizer.json.tmp"));
     const lm::RunLock b(dir.string());  // the same process (the program, then its trainer): shared
     CHECK(other_process_locks() == 3);
   }

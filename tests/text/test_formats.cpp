@@ -1,5 +1,6 @@
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -106,6 +107,12 @@ TEST_CASE("tokenizer.json: a save that fails (the file size limit, as a full dis
   CHECK(files == 1);  // no temporary file left beside it
   t.save(file);
   CHECK(BpeTokenizer::load(file).encode(kSample) == t.encode(kSample));
+  // The file takes 0666 less the umask, as an ofstream's would.
+  const mode_t old_mask = ::umask(077);
+  t.save(file);
+  ::umask(old_mask);
+  namespace fs = std::filesystem;
+  CHECK((fs::status(file).permissions() & fs::perms::all) == (fs::perms::owner_read | fs::perms::owner_write));
 }
 
 TEST_CASE("tokenizer.json: damaged files are refused with the field named", "[text]") {

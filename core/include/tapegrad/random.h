@@ -58,7 +58,8 @@ Tensor rand(const Shape& shape, DType dtype = float32, Generator* gen = nullptr)
 Tensor randint(std::int64_t low, std::int64_t high, const Shape& shape, Generator* gen = nullptr);  // int32
 
 // In-place initialisers (no autograd), as torch.nn.init. Each is an in-place write (version()): a
-// graph that saved t refuses its backward, as PyTorch's does after an init under no_grad.
+// graph that saved t refuses its backward, as PyTorch's does after an init under no_grad; and, as
+// Tensor::copy_, refused while recording for a t that a recorded op made.
 void normal_(Tensor& t, double mean = 0.0, double std = 1.0, Generator* gen = nullptr);
 void uniform_(Tensor& t, double low = 0.0, double high = 1.0, Generator* gen = nullptr);
 

@@ -3,6 +3,7 @@
 // AutogradMeta (what autograd knows of a tensor), and Tensor's inline definitions. A learner can
 // skip this file: a Tensor is shared memory, a shape, a dtype and an autograd slot.
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -136,9 +137,10 @@ template <class T> std::vector<T> Tensor::to_vector() const {
   // values outside T's range have none (static_cast would be undefined behaviour): refused.
   auto convert = [&](auto v, std::size_t i) {
     if constexpr (std::is_integral_v<T> && std::is_floating_point_v<decltype(v)>) {
-      const double d = v, lo = static_cast<double>(std::numeric_limits<T>::min()) - 1.0,
-                   hi = static_cast<double>(std::numeric_limits<T>::max()) + 1.0;
-      if (!(d > lo && d < hi))
+      // T's range is [min, 2^digits), both ends exact in double (min + 1.0 would round for 64 bits).
+      const double d = v, t = std::trunc(d);
+      if (!(t >= static_cast<double>(std::numeric_limits<T>::min()) &&
+            t < std::ldexp(1.0, std::numeric_limits<T>::digits)))
         fail("to_vector", "value ", d, " at position ", i, " of ", dtype_, ' ', shape_, " does not fit the integer type");
     }
     return static_cast<T>(v);
