@@ -38,6 +38,7 @@
 #include <thread>
 #include <typeinfo>
 
+#include "file_limit.h"
 #include "helpers.h"
 #include "lm/checkpoint.h"
 #include "lm/resume.h"
@@ -786,23 +787,15 @@ TEST_CASE("a write that fails (the file size limit, as a full disk) keeps the ea
   const fs::path dir = scratch("write_fails");
   const std::string f = (dir / "checkpoint.safetensors").string();
   lm::write_atomic(f, "the earlier checkpoint");
-  std::cout.flush();
-  const pid_t pid = ::fork();
-  if (pid == 0) {  // a process whose files may not grow past 1000 bytes: write(2) fails with EFBIG
-    ::signal(SIGXFSZ, SIG_IGN);
-    const rlimit limit{1000, 1000};
-    ::setrlimit(RLIMIT_FSIZE, &limit);
-    try {
-      lm::write_atomic(f, std::string(5000, 'x'));
-      ::_exit(1);
-    } catch (const Error& e) {
-      const bool named = std::strstr(e.what(), "write") && std::strstr(e.what(), "File too large");
-      ::_exit(named && !fs::exists(lm::temp_path(f)) ? 0 : 2);
-    }
-  }
-  const int st = wait_for(pid);
-  REQUIRE(WIFEXITED(st));
-  CHECK(WEXITSTATUS(st) == 0);
+  CHECK(exit_code_with_file_limit(1000, [&] {
+          try {
+            lm::write_atomic(f, std::string(5000, 'x'));
+            return 1;
+          } catch (const Error& e) {
+            const bool named = std::strstr(e.what(), "write") && std::strstr(e.what(), "File too large");
+            return named && !fs::exists(lm::temp_path(f)) ? 0 : 2;
+          }
+        }) == 0);
   CHECK(read_file(f) == "the earlier checkpoint");
   std::size_t files = 0;
   for (const auto& e : fs::directory_iterator(dir)) files += e.is_regular_file();
