@@ -9,9 +9,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -358,16 +360,18 @@ void write_all(int fd, const char* p, std::size_t n, const std::string& ctx) {
   }
 }
 
-// Writes to a fresh temporary file beside path (mkstemp), fsyncs it and renames it over path;
-// on any failure the temporary file is removed and path is left as it was.
+// Writes to a temporary file beside path (its name, the pid and a count, this write's alone),
+// fsyncs it, renames it over path and fsyncs the directory; on any failure the temporary file is
+// removed and path is left as it was. The file is created 0644 less the umask, as
+// save_safetensors' files are.
 template <class Body>
 void write_atomically(const std::string& path, const std::string& ctx, Body&& body) {
-  std::string tmp = path + ".tmp.XXXXXX";
+  static std::atomic<unsigned> writes{0};
+  const std::string tmp = path + "." + std::to_string(::getpid()) + "." + std::to_string(writes++) + ".tmp";
   FdGuard g;
-  g.fd = ::mkstemp(tmp.data());
+  g.fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (g.fd < 0) fail_at(ctx, "cannot create a temporary file beside it: ", errno_text(errno));
   try {
-    if (::fchmod(g.fd, 0644) != 0) fail_at(ctx, "chmod of '", tmp, "' failed: ", errno_text(errno));
     body(g.fd);
     if (::fsync(g.fd) != 0) fail_at(ctx, "fsync of '", tmp, "' failed: ", errno_text(errno));
     const int fd = g.fd;
@@ -377,6 +381,12 @@ void write_atomically(const std::string& path, const std::string& ctx, Body&& bo
   } catch (...) {
     ::unlink(tmp.c_str());
     throw;
+  }
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  const int d = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (d >= 0) {  // the rename is on disk once the directory is (one that cannot be opened: best effort)
+    ::fsync(d);
+    ::close(d);
   }
 }
 

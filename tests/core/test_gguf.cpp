@@ -1,6 +1,7 @@
 // GGUF: round trips of every metadata and tensor type, the byte layout against files assembled
 // here from the format's description, atomic saves, and damaged files (every truncation, wrong
 // counts, overflowing dims, bad alignment, and 5,000 random mutations) refused with tg::Error.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <bit>
@@ -216,6 +217,11 @@ TEST_CASE("save_gguf writes atomically and leaves nothing behind when it refuses
   REQUIRE_TG_ERROR(save_gguf(tmp.path("no/such/dir/m.gguf"), sample_tensors(), {}), "save_gguf: ", "temporary");
   REQUIRE_TG_ERROR(load_gguf(tmp.path("missing.gguf")), "load_gguf: ", "cannot open");
   REQUIRE_TG_ERROR(load_gguf(tmp.dir.string()), "not a regular file");
+  // The file takes 0644 less the umask, as save_safetensors' do.
+  const mode_t old_mask = ::umask(077);
+  save_gguf(path, sample_tensors(), sample_metadata());
+  ::umask(old_mask);
+  CHECK((fs::status(path).permissions() & fs::perms::all) == (fs::perms::owner_read | fs::perms::owner_write));
 }
 
 TEST_CASE("the writer refuses what ggml cannot read", "[gguf]") {
