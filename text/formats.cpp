@@ -335,7 +335,8 @@ std::string BpeTokenizer::to_tokenizer_json() const {
 // Through a temporary file beside path, fsync'ed, renamed over it, then the directory fsync'ed:
 // a write that fails (a full disk) or a process killed mid-write leaves an earlier file at path as
 // it was, and a completed save survives a power cut. The file is created 0666 less the umask, as
-// an ofstream's would be; its name (pid and a count) is this save's alone.
+// an ofstream's would be; its name (pid and a count) is this save's alone. (The text library links
+// no tapegrad core, so it writes its own file, as save_safetensors and save_gguf write theirs.)
 void BpeTokenizer::save(const std::string& path) const {
   constexpr const char* fn = "BpeTokenizer::save";
   static std::atomic<unsigned> saves{0};
