@@ -99,7 +99,8 @@ std::uint32_t dtype_to_ggml(DType d) {
 
 std::uint64_t align_up(std::uint64_t x, std::uint64_t a) { return (x + a - 1) / a * a; }
 
-// The alignment a metadata set asks for: "general.alignment", a UINT32 power of two, else 32.
+// The alignment a metadata set asks for: "general.alignment", a UINT32 power of two up to
+// kGGUFMaxAlignment, else 32.
 std::uint64_t alignment_of(const GGUFMetadata& md, const std::string& ctx) {
   const GGUFValue* v = md.find("general.alignment");
   if (!v) return kGGUFDefaultAlignment;
@@ -107,6 +108,9 @@ std::uint64_t alignment_of(const GGUFMetadata& md, const std::string& ctx) {
     fail_at(ctx, "general.alignment is ", gguf_type_name(v->type()), ", not UINT32");
   const std::uint64_t a = v->as_uint("general.alignment");
   if (a == 0 || (a & (a - 1)) != 0) fail_at(ctx, "general.alignment ", a, " is not a power of two");
+  if (a > kGGUFMaxAlignment)
+    fail_at(ctx, "general.alignment ", a, " exceeds the limit of ", kGGUFMaxAlignment,
+            " bytes (the padding after the header and after every tensor)");
   return a;
 }
 

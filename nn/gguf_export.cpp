@@ -253,11 +253,14 @@ void save_gguf_model(const std::string& path, const GPT& model, const GGUFVocab&
 
 namespace {
 
-std::int64_t key_int(const GGUFMetadata& md, const std::string& key, const std::string& what) {
+// The positive integer `key`, at most max (2^31 unless the key has a limit of its own).
+std::int64_t key_int(const GGUFMetadata& md, const std::string& key, const std::string& what,
+                     std::int64_t max = std::int64_t{1} << 31) {
   const GGUFValue* v = md.find(key);
   if (!v) fail(what.c_str(), "no metadata '", key, "'");
   const std::uint64_t u = v->as_uint(what + ": " + key);
-  if (u == 0 || u > (std::uint64_t(1) << 31)) fail(what.c_str(), key, " is ", u, ", out of range");
+  if (u == 0 || u > static_cast<std::uint64_t>(max))
+    fail(what.c_str(), key, " is ", u, ", out of range (1 to ", max, ")");
   return static_cast<std::int64_t>(u);
 }
 
@@ -283,7 +286,7 @@ GPTConfig read_config(const GGUFMetadata& md, const std::string& what) {
   GPTConfig c;
   c.arch = Arch::llama;
   c.norm = NormKind::rmsnorm;
-  c.block_size = key_int(md, "llama.context_length", what);
+  c.block_size = key_int(md, "llama.context_length", what, kGGUFMaxContext);  // sizes the RoPE tables
   c.n_embd = key_int(md, "llama.embedding_length", what);
   c.n_layer = key_int(md, "llama.block_count", what);
   c.n_head = key_int(md, "llama.attention.head_count", what);

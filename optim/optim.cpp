@@ -7,6 +7,8 @@
 #include <optional>
 #include <sstream>
 #include <type_traits>
+#include <unordered_map>
+#include <utility>
 
 #include "kernels/parallel.h"
 #include "kernels/reduce.h"
@@ -154,6 +156,10 @@ bool known_state_keys(const Optimizer& o, std::vector<StateKey>& keys) {
 Optimizer::Optimizer(std::vector<ParamGroup> groups, std::string name, double default_lr, double default_wd)
     : name_(std::move(name)), groups_(std::move(groups)) {
   std::size_t n = 0;
+  // A parameter is its memory: handles that share it (copies of one Tensor, or an alias under
+  // another shape) are one parameter, and each data pointer belongs to one Storage. Listed twice,
+  // it would take two updates per step and keep two sets of state.
+  std::unordered_map<const void*, std::pair<std::size_t, std::size_t>> first;  // data -> (group, index)
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     ParamGroup& pg = groups_[g];
     if (pg.lr < 0) pg.lr = default_lr;
@@ -167,6 +173,11 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, std::string name, double de
       if (!is_floating(p.dtype()) || !p.is_leaf())
         fail(name_.c_str(), "parameter ", k, " of group ", g, " must be a float leaf tensor, got ",
              p.is_leaf() ? "a leaf " : "a non-leaf ", p.dtype(), ' ', p.shape());
+      const auto [it, added] = first.emplace(p.raw_data(), std::pair{g, k});
+      if (!added)
+        fail(name_.c_str(), "parameter ", k, " of group ", g, " (", p.dtype(), ' ', p.shape(), ") is parameter ",
+             it->second.second, " of group ", it->second.first,
+             " again (the same memory); list each parameter once, or a step updates it twice");
     }
     n += pg.params.size();
   }
@@ -475,8 +486,9 @@ AdamFn adam_variant(bool dec, bool l2, bool ams, bool clip) {
   return fn;
 }
 
-// True when no two jobs share parameter or gradient memory (a parameter listed twice, gradients
-// sharing a buffer): only then may all jobs run in one pass, and clip in registers.
+// True when no two jobs share parameter or gradient memory (parameters never do: the constructor
+// refuses a parameter listed twice; gradients may share a buffer): only then may all jobs run in
+// one pass, and clip in registers.
 bool disjoint(const std::vector<AdamJob>& jobs) {
   std::vector<ByteRange> r;
   for (const AdamJob& j : jobs)

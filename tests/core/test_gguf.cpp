@@ -238,6 +238,58 @@ TEST_CASE("the writer refuses what ggml cannot read", "[gguf]") {
   REQUIRE_TG_ERROR(to_gguf_bytes(sample_tensors(), md), "general.alignment is UINT64, not UINT32");
 }
 
+TEST_CASE("a general.alignment past the limit is refused by the reader and the writer, naming value and limit",
+          "[gguf]") {
+  // The writer pads the header and every tensor to the alignment: 2^31 would be 2 GiB of zeros each.
+  const std::uint64_t huge = std::uint64_t{1} << 31, over = kGGUFMaxAlignment * 2;
+  for (const std::uint64_t a : {huge, over}) {
+    INFO("alignment " << a);
+    const std::string text = "general.alignment " + std::to_string(a) + " exceeds the limit of 65536";
+    REQUIRE_BAD(Bytes().header(0, 1).str("general.alignment").u32(4).u32(a).s, text.c_str());
+    Bytes one;  // one tensor, its data block at the next multiple of the alignment
+    one.header(1, 1).str("general.alignment").u32(4).u32(a).info("w", {1}, 0, 0);
+    REQUIRE_BAD(one.s, text.c_str());
+    GGUFMetadata md = sample_metadata();
+    md.set("general.alignment", GGUFValue::of_u32(static_cast<std::uint32_t>(a)));
+    REQUIRE_TG_ERROR(to_gguf_bytes(sample_tensors(), md), "to_gguf_bytes: ", text.c_str());
+    REQUIRE_TG_ERROR(to_gguf_bytes({}, md), "to_gguf_bytes: ", text.c_str());
+    TempDir tmp;
+    REQUIRE_TG_ERROR(save_gguf(tmp.path("m.gguf"), sample_tensors(), md), "save_gguf: ", text.c_str());
+    CHECK_FALSE(fs::exists(tmp.path("m.gguf")));
+  }
+  // The limit itself reads and writes.
+  GGUFMetadata md = sample_metadata();
+  md.set("general.alignment", GGUFValue::of_u32(static_cast<std::uint32_t>(kGGUFMaxAlignment)));
+  const std::string bytes = to_gguf_bytes(sample_tensors(), md);
+  CHECK(bytes.size() % kGGUFMaxAlignment == 0);
+  CHECK(bit_equal(from_gguf_bytes(bytes).tensors.at("bf"), sample_tensors().at("bf")));
+}
+
+TEST_CASE("sizes read from a crafted file are held to the bytes that remain before anything is allocated",
+          "[gguf]") {
+  constexpr std::uint64_t kHuge = std::uint64_t{1} << 62;
+  // Counts: every entry and info takes some bytes, so a count is bounded by what remains.
+  REQUIRE_BAD(Bytes().header(0, kHuge).s, "metadata count 4611686018427387904 cannot fit in the 0 bytes");
+  REQUIRE_BAD(Bytes().header(kHuge, 0).s, "tensor count 4611686018427387904 cannot fit in the 0 bytes");
+  // Lengths of a key, a string value, an array (of numbers and of strings), a tensor name.
+  REQUIRE_BAD(Bytes().header(0, 1).u64(kHuge).raw(std::string(8, 'k')).s,
+              "metadata key 0 (4611686018427387904 bytes) needs 4611686018427387904 bytes");
+  REQUIRE_BAD(Bytes().header(0, 1).str("llama.context_length").u32(8).u64(kHuge).raw("abcd").s,
+              "metadata 'llama.context_length' (4611686018427387904 bytes) needs", "only 4 remain");
+  REQUIRE_BAD(Bytes().header(0, 1).str("tokenizer.ggml.scores").u32(9).u32(6).u64(kHuge).raw(std::string(8, '\0')).s,
+              "metadata 'tokenizer.ggml.scores': array of 4611686018427387904 FLOAT32 cannot fit in the 8 bytes");
+  REQUIRE_BAD(Bytes().header(0, 1).str("tokenizer.ggml.tokens").u32(9).u32(8).u64(kHuge).str("a").s,
+              "metadata 'tokenizer.ggml.tokens': array of 4611686018427387904 STRING cannot fit in the 9 bytes");
+  REQUIRE_BAD(Bytes().header(1, 0).u64(kHuge).raw(std::string(40, 'n')).s,
+              "tensor info 0's name (4611686018427387904 bytes) needs");
+  // A tensor's dims: its bytes must lie inside the data block.
+  REQUIRE_BAD(small_file(0, 0, {std::uint64_t{1} << 31, std::uint64_t{1} << 20}),
+              "tensor 'w': bytes [0, 0 + 9007199254740992) lie outside the data block of 32 bytes");
+  // A large scalar is kept as a value: sizing anything by it is the reader of the key's to check.
+  const GGUFFile f = from_gguf_bytes(Bytes().header(0, 1).str("llama.context_length").u32(10).u64(kHuge).s);
+  CHECK(f.metadata.at("llama.context_length").as_uint("llama.context_length") == kHuge);
+}
+
 TEST_CASE("every truncation of a valid GGUF file is refused", "[gguf]") {
   const std::string good = to_gguf_bytes(sample_tensors(), sample_metadata());
   REQUIRE_NOTHROW(from_gguf_bytes(good));

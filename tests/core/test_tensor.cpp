@@ -91,6 +91,29 @@ TEST_CASE("to_vector refuses an undefined tensor and a float that has no value o
   REQUIRE_TG_ERROR(tensor({-2147483649.0}, {1}, float64).to_vector<std::int32_t>(), "to_vector", "does not fit");
 }
 
+TEST_CASE("an undefined tensor holds no elements and no bytes, a defined 0-d tensor holds one") {
+  const Tensor u;
+  CHECK_FALSE(u.defined());
+  CHECK(u.dim() == 0);
+  CHECK(u.numel() == 0);
+  CHECK(u.nbytes() == 0);
+  Tensor r = tensor({1, 2}, {2});
+  r.reset();  // undefined again, as Tensor()
+  CHECK(r.numel() == 0);
+  CHECK(r.nbytes() == 0);
+  CHECK(u.detach().numel() == 0);
+  CHECK(Tensor().grad().numel() == 0);  // no gradient: an undefined tensor
+  REQUIRE_TG_ERROR(u.item(), "item", "undefined");
+  const Tensor s = full({}, 2.5, float64);  // 0-d: the empty product, one element
+  CHECK(s.defined());
+  CHECK(s.dim() == 0);
+  CHECK(s.numel() == 1);
+  CHECK(s.nbytes() == 8);
+  CHECK(s.item() == 2.5);
+  CHECK(zeros({0, 3}).numel() == 0);
+  CHECK(zeros({0, 3}).defined());
+}
+
 TEST_CASE("set and at round-trip through every dtype") {
   for (DType d : {float32, float64, int32}) {
     Tensor t = zeros({2, 2}, d);

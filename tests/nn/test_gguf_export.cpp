@@ -317,6 +317,41 @@ TEST_CASE("importing a GGUF refuses what tapegrad's llama cannot hold, naming th
   CHECK(bit_equal(back.state_dict.at("head.weight"), back.state_dict.at("wte.weight")));
 }
 
+TEST_CASE("a crafted model file's context_length past the limit is refused before anything is sized by it",
+          "[gguf]") {
+  // No tensor bounds the context length, yet GPT(config) builds RoPE tables of 2 x context_length
+  // x head_size values from it: 2^31 would be gigabytes, UINT64's largest far past any memory.
+  nn::GPT m(tiny_llama());
+  const GGUFFile good = nn::to_gguf(m, kVocab);
+  const fs::path path = fs::temp_directory_path() / ("tapegrad_gguf_ctx_" + std::to_string(::getpid()) + ".gguf");
+  auto write_with = [&](const std::string& key, GGUFValue v) {
+    GGUFMetadata md = good.metadata;
+    md.set(key, std::move(v));
+    save_gguf(path.string(), good.tensors, md);
+  };
+  const std::string limit = "out of range (1 to " + std::to_string(nn::kGGUFMaxContext) + ")";
+  for (const std::uint64_t n : {std::uint64_t{1} << 31, std::uint64_t(nn::kGGUFMaxContext) + 1}) {
+    INFO("context_length " << n);
+    write_with("llama.context_length", GGUFValue::of_u32(static_cast<std::uint32_t>(n)));
+    const std::string where = "load_gguf_model: '" + path.string() + "'",
+                      what = "llama.context_length is " + std::to_string(n) + ", " + limit;
+    REQUIRE_TG_ERROR(nn::load_gguf_model(path.string()), where.c_str(), what.c_str());
+  }
+  write_with("llama.context_length", GGUFValue::of_u64(~std::uint64_t{0}));
+  const std::string widest = "llama.context_length is 18446744073709551615, " + limit;
+  REQUIRE_TG_ERROR(nn::load_gguf_model(path.string()), widest.c_str());
+  // The limit itself is taken.
+  write_with("llama.context_length", GGUFValue::of_u32(static_cast<std::uint32_t>(nn::kGGUFMaxContext)));
+  CHECK(nn::load_gguf_model(path.string()).config.block_size == nn::kGGUFMaxContext);
+  // The other widths name their limit too, and must match the tensors the file holds.
+  write_with("llama.embedding_length", GGUFValue::of_u64(std::uint64_t{1} << 40));
+  REQUIRE_TG_ERROR(nn::load_gguf_model(path.string()),
+                   "llama.embedding_length is 1099511627776, out of range (1 to 2147483648)");
+  write_with("llama.block_count", GGUFValue::of_u32(std::uint32_t{1} << 31));  // stops at the first block it lacks
+  REQUIRE_TG_ERROR(nn::load_gguf_model(path.string()), "no tensor 'blk.2.attn_norm.weight'");
+  fs::remove(path);
+}
+
 TEST_CASE("a gpt model's model.safetensors (tied head stored as head.weight) loads through load_state_dict", "[gguf]") {
   manual_seed(5);
   nn::GPTConfig c = tiny_llama();

@@ -3,9 +3,9 @@
 // parameters, gradients, optimizer state, version counters and the returned norm must be
 // bit-identical, for Adam and AdamW (weight decay on or off, AMSGrad on or off, clipping in effect
 // or not, float32 and float64, two groups, a parameter without a gradient), for SGD (the generic
-// path), and for a parameter listed twice (the sequential path). Also: grad_norm's bits do not
-// depend on the thread count and its value is the norm; a non-finite norm changes nothing; the
-// errors name the call and the value.
+// path), and for two parameters sharing a gradient buffer (the sequential path). Also: grad_norm's
+// bits do not depend on the thread count and its value is the norm; a non-finite norm changes
+// nothing; the errors name the call and the value.
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -122,26 +122,34 @@ TEST_CASE("SGD's clip_and_step (scale, then step) equals clip_grad_norm then ste
     }
 }
 
-TEST_CASE("clip_and_step with a parameter listed twice equals clip_grad_norm then step()", "[optim]") {
-  // The list {a, b, a}: clip_grad_norm counts and scales a twice, step() updates it twice.
+TEST_CASE("clip_and_step with two parameters sharing one gradient buffer equals clip_grad_norm then step()",
+          "[optim]") {
+  // The list {a, b, e}, e a (300, 250) parameter of its own whose gradient slot holds a's gradient
+  // buffer: clip_grad_norm counts and scales that buffer twice, step() reads it for a and for e.
   for (const double max_norm : {1.0, 1e6}) {
     INFO("max_norm " << max_norm);
     Model ref = make_model(tg::float32), fused = make_model(tg::float32);
-    optim::AdamW oref(std::vector<Tensor>{ref.p[0], ref.p[1], ref.p[0]}, 1e-2);
-    optim::AdamW ofused(std::vector<Tensor>{fused.p[0], fused.p[1], fused.p[0]}, 1e-2);
+    tg::Generator gen(11);
+    const Tensor e_values = tg::randn({300, 250}, tg::float32, &gen);
+    Tensor e_ref = e_values.clone().requires_grad_(), e_fused = e_values.clone().requires_grad_();
+    optim::AdamW oref(std::vector<Tensor>{ref.p[0], ref.p[1], e_ref}, 1e-2);
+    optim::AdamW ofused(std::vector<Tensor>{fused.p[0], fused.p[1], e_fused}, 1e-2);
     for (int step = 0; step < 2; ++step) {
       set_grads(ref, step, 1.0);
       set_grads(fused, step, 1.0);
+      e_ref.meta()->grad.set(ref.p[0].grad());
+      e_fused.meta()->grad.set(fused.p[0].grad());
+      REQUIRE(e_ref.grad().shares_storage(ref.p[0].grad()));
       const std::vector<float> g0 = ref.p[0].grad().to_vector<float>();
-      const double nref = optim::clip_grad_norm({ref.p[0], ref.p[1], ref.p[0]}, max_norm);
+      const double nref = optim::clip_grad_norm({ref.p[0], ref.p[1], e_ref}, max_norm);
       const float c = static_cast<float>(max_norm / (nref + 1e-6));
       const std::vector<float> g1 = ref.p[0].grad().to_vector<float>();
-      std::size_t wrong = 0;  // a is scaled twice when clipped
+      std::size_t wrong = 0;  // the shared buffer is scaled twice when clipped
       for (std::size_t k = 0; k < g0.size(); ++k) wrong += g1[k] != (c < 1 ? g0[k] * c * c : g0[k]);
       REQUIRE(wrong == 0);
       oref.step();
       REQUIRE(ofused.clip_and_step(max_norm) == nref);
-      require_same(ref.p, fused.p, oref, ofused);
+      require_same({ref.p[0], ref.p[1], e_ref}, {fused.p[0], fused.p[1], e_fused}, oref, ofused);
     }
   }
 }

@@ -505,6 +505,39 @@ TEST_CASE("invalid hyperparameters name the optimizer and the bad value", "[opti
   }
 }
 
+TEST_CASE("a parameter listed twice, in one group or two, is refused naming both places", "[optim]") {
+  using tgtest::param64;
+  const Tensor w = param64({3, 4}, 1), b = param64({4}, 2), u = param64({2}, 3);
+  const Tensor w_again = w;  // a copy of the handle: the same parameter
+  // Within one group (PyTorch warns), for every optimizer.
+  REQUIRE_TG_ERROR(optim::SGD({w, b, w_again}, 0.1),
+                   "SGD: parameter 2 of group 0 (float64 (3, 4)) is parameter 0 of group 0 again");
+  REQUIRE_TG_ERROR(optim::Adam({b, u, b}, 0.1), "Adam: parameter 2 of group 0", "is parameter 0 of group 0 again");
+  REQUIRE_TG_ERROR(optim::AdamW({u, u}, 0.1), "AdamW: parameter 1 of group 0", "parameter 0 of group 0 again");
+  // Across groups (PyTorch raises ValueError).
+  const std::vector<optim::ParamGroup> across{{{w, b}, 0.1, 0.0}, {{u, b}, 0.01, 0.0}};
+  REQUIRE_TG_ERROR(optim::AdamW(across),
+                   "AdamW: parameter 1 of group 1 (float64 (4,)) is parameter 1 of group 0 again");
+  REQUIRE_TG_ERROR(optim::SGD(across, 0.1), "SGD: parameter 1 of group 1", "list each parameter once");
+  // The same memory under another shape (an alias) is the same parameter too.
+  Tensor flat = w.detach().reshape({12});
+  flat.requires_grad_();
+  REQUIRE_TG_ERROR(optim::Adam({w, flat}, 0.1),
+                   "Adam: parameter 1 of group 0 (float64 (12,)) is parameter 0 of group 0");
+  // Distinct parameters of equal values and shapes are two parameters; each is updated once.
+  const Tensor w2 = w.detach().clone().requires_grad_();
+  optim::SGD opt({w, w2}, 0.5);
+  tg::sum(w * 1.0).backward();
+  tg::sum(w2 * 1.0).backward();
+  const std::vector<double> before = w.to_vector<double>();
+  opt.step();
+  const std::vector<double> after = w.to_vector<double>(), after2 = w2.to_vector<double>();
+  for (std::size_t k = 0; k < before.size(); ++k) {
+    CHECK(after[k] == before[k] - 0.5);
+    CHECK(after2[k] == after[k]);
+  }
+}
+
 namespace {
 
 // Two identical runs of `run_name` take 3 steps; on the second, load(bad) must throw and change

@@ -98,19 +98,25 @@ inline constexpr std::uint32_t kGGUFVersion = 3;
 inline constexpr std::uint64_t kGGUFDefaultAlignment = 32;
 inline constexpr std::size_t kGGUFMaxName = 63;  // ggml's GGML_MAX_NAME (64) less the terminating NUL
 inline constexpr int kGGUFMaxDims = 4;           // ggml's GGML_MAX_DIMS
+// The largest "general.alignment" read or written (64 KiB, the largest common page size; ggml sets
+// no bound). The writer pads the header and every tensor to it, so an alignment taken from a file
+// would otherwise size that padding: 2^31, UINT32's largest power of two, is 2 GiB per tensor.
+inline constexpr std::uint64_t kGGUFMaxAlignment = std::uint64_t{1} << 16;
 
 // Writes the tensors (F32, BF16, F64 or I32; 1 to 4 dims; names of 1 to 63 bytes) in the
 // StateDict's order with the metadata, to a temporary file beside path that is fsync'ed and
 // renamed over it, so a failure never leaves a file under path. "general.alignment" in the
-// metadata (a UINT32 power of two) sets the alignment, else 32. Throws tg::Error on bad input or
-// I/O failure.
+// metadata (a UINT32 power of two, at most kGGUFMaxAlignment) sets the alignment, else 32. Throws
+// tg::Error on bad input or I/O failure.
 void save_gguf(const std::string& path, const StateDict& tensors, const GGUFMetadata& metadata);
 std::string to_gguf_bytes(const StateDict& tensors, const GGUFMetadata& metadata);  // the same bytes
 
 // Reads and validates every field before allocating for it: magic and version, counts that fit
 // in the file, known value types, booleans 0 or 1, no duplicate keys or names, lengths inside the
-// file, dims whose element and byte counts do not overflow, offsets aligned, inside the data
-// block and not overlapping. A bad file is a tg::Error naming the field, never a crash.
+// file, dims whose element and byte counts do not overflow, the alignment a power of two up to
+// kGGUFMaxAlignment, offsets aligned, inside the data block and not overlapping. Every count,
+// length and dim is held to the bytes that remain, so nothing read is allocated beyond what the
+// file's size accounts for. A bad file is a tg::Error naming the field, never a crash.
 GGUFFile load_gguf(const std::string& path);
 GGUFFile from_gguf_bytes(const std::string& bytes);
 

@@ -31,9 +31,9 @@ class Tensor {
   const Shape& shape() const { return shape_; }
   int dim() const { return shape_.ndim(); }
   std::int64_t size(int d) const;  // d may be negative, as in PyTorch
-  std::int64_t numel() const { return shape_.numel(); }
+  std::int64_t numel() const { return storage_ ? shape_.numel() : 0; }  // 0 when undefined (its shape () gives 1)
   DType dtype() const { return dtype_; }
-  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * itemsize(dtype_); }
+  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * itemsize(dtype_); }  // 0 when undefined
 
   // Typed access to the contiguous data; throws tg::Error when T does not match dtype(). A write
   // through the pointer is not counted by version() (PyTorch's data_ptr() writes are not either):

@@ -12,7 +12,9 @@
 namespace tg::optim {
 
 // A set of parameters sharing hyperparameters (PyTorch's param_groups entries). A negative
-// weight_decay means "the optimizer's default".
+// weight_decay means "the optimizer's default". A parameter (a tensor's memory: copies of one
+// Tensor handle are one parameter) appears once across all groups: the constructors throw
+// tg::Error naming both places of a repeat (PyTorch warns within a group, raises across groups).
 struct ParamGroup {
   std::vector<Tensor> params;
   double lr = -1;

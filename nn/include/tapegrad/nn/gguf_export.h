@@ -73,7 +73,11 @@ void save_gguf_model(const std::string& path, const GPT& model, const GGUFVocab&
 // token_embd, llama.cpp's own fallback). Throws tg::Error naming the key or tensor when the file
 // is not a model tapegrad's llama can hold (another arch, grouped-query attention, another
 // feed-forward width, RoPE base or rotated width, a tokenizer other than characters or GPT-2's
-// byte-level BPE).
+// byte-level BPE). Every width is held to the file: the vocabulary is its tokens, and the embedding,
+// feed-forward and head widths and the block count must match tensors it holds. The context length
+// is the one size no tensor bounds, yet GPT(config) builds RoPE tables of 2 x context_length x
+// head_size values from it, so it is held to kGGUFMaxContext.
+inline constexpr std::int64_t kGGUFMaxContext = std::int64_t{1} << 20;  // 1,048,576 positions
 struct GGUFModel {
   GPTConfig config;
   GGUFVocab vocab;  // characters (U+2581 back to a space) or a byte-level BPE ("gpt-2" pre-tokenizer)
