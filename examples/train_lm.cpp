@@ -303,10 +303,18 @@ bool nothing_to_do(const lm::TrainConfig& r, const tg::Metadata& meta) {
 std::vector<lm::RunResult> resume_run(const lm::TrainConfig& r, const tg::Metadata& meta) {
   lm::RunLock lock;
   lm::on_rank0([&] { lock = lm::RunLock(r.out); });
+  // Runs of earlier versions may record a relative path: it is read from this working directory.
+  if (!fs::path(r.data).is_absolute())
+    std::cerr << "note: the run names its corpus by a relative path; reading it from this working directory: "
+              << lm::shown_path(r.data) << "\n";
+  std::error_code ec;
+  if (!fs::exists(r.data, ec))
+    tg::fail("resume", "the run's corpus ", lm::shown_path(r.data),
+             " does not exist; if it moved, give --data with its new path");
   lm::Corpus corpus = lm::load_corpus(r.data, r.model.block_size, lm::run_tokenizer(r.tokenizer, r.out));
-  lm::agree_on_corpus(corpus.path, corpus.content_hash);  // then every rank checks the same vocabulary
+  lm::agree_on_corpus(corpus.path, corpus.content_hash);  // then every rank checks the same corpus
   try {
-    lm::check_vocabulary(meta, (fs::path(r.out) / "checkpoint.safetensors").string(), corpus);
+    lm::check_corpus(meta, (fs::path(r.out) / "checkpoint.safetensors").string(), corpus);
   } catch (const tg::Error& e) {
     throw lm::JobError(e.what());
   }
@@ -316,11 +324,13 @@ std::vector<lm::RunResult> resume_run(const lm::TrainConfig& r, const tg::Metada
   return {lm::whole_run(res, r.out, static_cast<double>(r.batch_size * r.model.block_size))};
 }
 
-// The prompt of a sample from the finished run r.out, in the tokens of its checkpoint (vocab):
+// The prompt of a sample from the finished run r.out, in the tokens of its checkpoint ck (vocab):
 // --prompt, else the first token of the run's training split, as the run's own samples.txt starts
-// (lm::Trainer::sample).
-std::vector<std::int32_t> sample_prompt(const lm::TrainConfig& r, const lm::Corpus& vocab) {
+// (lm::Trainer::sample): as the checkpoint records it, else (a checkpoint of an earlier version)
+// from the corpus.
+std::vector<std::int32_t> sample_prompt(const lm::TrainConfig& r, const lm::Checkpoint& ck, const lm::Corpus& vocab) {
   if (!r.prompt.empty()) return vocab.encode(r.prompt);
+  if (const auto first = lm::recorded_first_token(ck.meta, ck.file, vocab.vocab_size())) return {*first};
   lm::Corpus chars;
   try {
     chars = lm::load_corpus(r.data, r.model.block_size);
@@ -341,7 +351,7 @@ bool sample_finished_run(const lm::TrainConfig& r) {
   lm::Checkpoint ck = lm::read_checkpoint(r.out, r.model);
   if (static_cast<std::int64_t>(lm::meta_u64(ck.meta, "step", ck.file)) < r.steps) return false;
   const lm::Corpus vocab = lm::vocabulary_only(ck.meta["vocab"]);
-  const std::vector<std::int32_t> prompt = sample_prompt(r, vocab);
+  const std::vector<std::int32_t> prompt = sample_prompt(r, ck, vocab);
   if (prompt.empty()) tg::fail("prompt", "is empty");
   tg::nn::GPT model(r.model);
   tg::StateDict weights;

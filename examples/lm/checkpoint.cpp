@@ -140,25 +140,46 @@ TrainConfig parse_config_json(const std::string& text, const std::string& file) 
   }
 }
 
-void check_vocabulary(const Metadata& meta, const std::string& file, const Corpus& corpus) {
+void check_corpus(const Metadata& meta, const std::string& file, const Corpus& corpus) {
   const auto it = meta.find("vocab");
   if (it == meta.end()) fail("resume", file, " has no 'vocab' entry");
-  if (it->second == corpus.vocab_utf8()) return;
-  std::string theirs = "?";
-  try {
-    theirs = std::to_string(vocabulary_only(it->second).vocab_size());
-  } catch (const Error&) {  // a damaged entry: the count stays unknown
+  if (it->second != corpus.vocab_utf8()) {
+    std::string theirs = "?";
+    try {
+      theirs = std::to_string(vocabulary_only(it->second).vocab_size());
+    } catch (const Error&) {  // a damaged entry: the count stays unknown
+    }
+    fail("resume", "the corpus ", shown_path(corpus.path), " has another vocabulary (", corpus.vocab_size(),
+         " characters) than the run's checkpoint ", file, " (", theirs,
+         " characters): a run continues on the corpus it started with");
   }
-  fail("resume", "the corpus '", corpus.path, "' has another vocabulary (", corpus.vocab_size(),
-       " characters) than the run's checkpoint ", file, " (", theirs,
-       " characters): a run continues on the corpus it started with");
+  // A BPE run's vocabulary comes from its own tokenizer.json, and two texts may share their
+  // characters: only the bytes tell the run's corpus from another file.
+  if (!meta.count(kCorpusHashKey)) return;
+  const std::uint64_t theirs = meta_u64(meta, kCorpusHashKey, file);
+  if (theirs == corpus.content_hash) return;
+  char mine[24], recorded[24];
+  std::snprintf(mine, sizeof mine, "%016llx", static_cast<unsigned long long>(corpus.content_hash));
+  std::snprintf(recorded, sizeof recorded, "%016llx", static_cast<unsigned long long>(theirs));
+  fail("resume", "the corpus ", shown_path(corpus.path),
+       " is not the one the run was trained on: its bytes differ (FNV-1a ", mine, "; the run's checkpoint ", file,
+       " records ", recorded, "): a run continues on the corpus it started with");
+}
+
+std::optional<std::int32_t> recorded_first_token(const Metadata& meta, const std::string& file,
+                                                 std::int64_t vocab_size) {
+  if (!meta.count(kFirstTokenKey)) return std::nullopt;
+  const std::uint64_t id = meta_u64(meta, kFirstTokenKey, file);
+  if (id >= static_cast<std::uint64_t>(vocab_size))
+    fail("resume", file, ": '", kFirstTokenKey, "' ", id, " is outside the vocabulary of ", vocab_size, " tokens");
+  return static_cast<std::int32_t>(id);
 }
 
 Checkpoint read_checkpoint(const std::string& dir, const nn::GPTConfig& model, const Corpus* corpus) {
   Checkpoint ck;
   ck.file = (fs::path(dir) / "checkpoint.safetensors").string();
   ck.tensors = load_safetensors(ck.file, &ck.meta);
-  if (corpus) check_vocabulary(ck.meta, ck.file, *corpus);
+  if (corpus) check_corpus(ck.meta, ck.file, *corpus);
   nn::upgrade_state_dict(ck.tensors, model.arch, "model.");  // the names of earlier versions
   auto expect = [&](const std::string& key, const Shape& shape) {
     if (!ck.tensors.contains(key)) fail("resume", ck.file, " has no tensor '", key, "'");

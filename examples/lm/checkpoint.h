@@ -5,6 +5,7 @@
 // generators and the best val loss so far. Every value read back is checked; a damaged one is a
 // tg::Error that names the file and the key.
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "lm/trainer.h"
@@ -24,16 +25,31 @@ struct Checkpoint {
 
 // Reads dir/checkpoint.safetensors and holds its tensors against the model configuration (vocabulary,
 // context, width, number of blocks), so that a damaged configuration (n_layer 4294967296, n_embd 1e9)
-// is refused before anything is allocated for it. Given the corpus, first refuses a vocabulary
-// other than the checkpoint's, saying so (not as a tensor's shape).
+// is refused before anything is allocated for it. Given the corpus, first refuses one other than the
+// checkpoint's (check_corpus), saying so (not as a tensor's shape).
 Checkpoint read_checkpoint(const std::string& dir, const tg::nn::GPTConfig& model, const Corpus* corpus = nullptr);
 
 // The metadata of dir/checkpoint.safetensors, checked to be a train_lm checkpoint's (tg::Error
 // naming the file otherwise, or when there is none).
 tg::Metadata read_checkpoint_meta(const std::string& dir);
 
-// Refuses (tg::Error, saying so) a corpus whose vocabulary is not the one in a checkpoint's metadata.
-void check_vocabulary(const tg::Metadata& meta, const std::string& file, const Corpus& corpus);
+// What a checkpoint records of its run's corpus, beside the vocabulary. Checkpoints of earlier
+// versions lack both entries; a resume of one does without them.
+//   corpus_fnv1a64: fnv1a64 of the corpus file's bytes (decimal), so that a resume refuses a file
+//                   with other bytes, whatever its vocabulary;
+//   first_token:    the first token id of the training split (decimal), where a sample without
+//                   --prompt starts (Trainer::sample), so that sampling a finished run reads no corpus.
+inline constexpr const char* kCorpusHashKey = "corpus_fnv1a64";
+inline constexpr const char* kFirstTokenKey = "first_token";
+
+// Refuses (tg::Error, saying so and naming the path read) a corpus whose vocabulary is not the one
+// in a checkpoint's metadata, or whose bytes are not those the metadata records.
+void check_corpus(const tg::Metadata& meta, const std::string& file, const Corpus& corpus);
+
+// The first token of the run's training split as its checkpoint records it, checked against the
+// vocabulary (tg::Error naming the file and the key otherwise); nothing when it is not recorded.
+std::optional<std::int32_t> recorded_first_token(const tg::Metadata& meta, const std::string& file,
+                                                 std::int64_t vocab_size);
 
 // The model's state dict as the PyTorch reference's safetensors save_model writes it: every
 // parameter and buffer under its own name, a tied head (gpt) once, as head.weight (save_model keeps

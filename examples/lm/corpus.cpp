@@ -23,13 +23,29 @@ std::uint64_t fnv1a64(const std::string& bytes) {
   return h;
 }
 
+std::string absolute_corpus_path(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path abs = std::filesystem::absolute(path, ec);
+  if (ec) return path;
+  const std::filesystem::path canonical = std::filesystem::weakly_canonical(abs, ec);
+  return ec ? abs.lexically_normal().string() : canonical.string();
+}
+
+std::string shown_path(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path p(path);
+  if (p.is_absolute()) return "'" + path + "'";
+  const std::filesystem::path abs = std::filesystem::absolute(p, ec);
+  return ec ? "'" + path + "'" : "'" + path + "' (" + abs.lexically_normal().string() + ")";
+}
+
 namespace {
 // The bytes of a regular file of at most kMaxCorpusBytes; what stat(2) reports is what is read,
 // so a device or a growing file never makes the reader allocate without bound.
 std::string read_corpus_bytes(const std::string& path) {
   std::error_code ec;
   const auto st = std::filesystem::status(path, ec);
-  if (ec || !std::filesystem::exists(st)) tg::fail("data", "cannot open '", path, "': no such file");
+  if (ec || !std::filesystem::exists(st)) tg::fail("data", "cannot open ", shown_path(path), ": no such file");
   if (std::filesystem::is_directory(st)) tg::fail("data", "'", path, "' is a directory; give a text file");
   if (!std::filesystem::is_regular_file(st))
     tg::fail("data", "'", path, "' is not a regular file (a device, pipe or socket); give a text file");
@@ -38,7 +54,7 @@ std::string read_corpus_bytes(const std::string& path) {
   if (size > kMaxCorpusBytes)
     tg::fail("data", "'", path, "' is ", size, " bytes; the character-level reader takes at most ", kMaxCorpusBytes);
   std::ifstream f(path, std::ios::binary);
-  if (!f) tg::fail("data", "cannot open '", path, "'");
+  if (!f) tg::fail("data", "cannot open ", shown_path(path));
   std::string bytes(static_cast<std::size_t>(size), '\0');
   f.read(bytes.data(), static_cast<std::streamsize>(size));
   bytes.resize(static_cast<std::size_t>(f.gcount()));  // a file that shrank meanwhile

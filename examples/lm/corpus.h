@@ -41,6 +41,15 @@ Corpus load_corpus(const std::string& path, std::int64_t block_size);
 // FNV-1a, 64-bit (offset basis 14695981039346656037, prime 1099511628211) of bytes.
 std::uint64_t fnv1a64(const std::string& bytes);
 
+// The path a run records for its corpus: absolute and canonical (symbolic links, "." and ".."
+// resolved), so that a resume from any working directory reads the same file. The path as given
+// when the file system cannot resolve it.
+std::string absolute_corpus_path(const std::string& path);
+
+// A corpus path as messages name it: quoted, and when relative, followed by the file it names from
+// this process's working directory ("'data.txt' (/home/me/data.txt)").
+std::string shown_path(const std::string& path);
+
 std::string encode_utf8(char32_t c);
 
 // A Corpus with only the vocabulary (vocab_utf8() of a checkpoint), for encoding and decoding.

@@ -61,8 +61,8 @@ void take_data(TrainConfig& r, const TrainConfig& given, std::vector<std::string
     return;
   }
   notes.push_back("note: the run's corpus '" + r.data + "' is gone; continuing on '" + given.data +
-                  "', which must have the same vocabulary");
-  r.data = given.data;
+                  "', which must hold the same text");
+  r.data = absolute_corpus_path(given.data);  // recorded as a new run records its corpus
 }
 
 // --lr: a new peak from this step on, the schedule's shape kept; never below the run's --min-lr.

@@ -16,8 +16,8 @@ namespace lm {
 // The configuration a resume continues with: `run` (its checkpoint's), with the flags the command
 // line gave (was_given("--steps")) that may change taken from `given`. Throws tg::Error listing
 // each flag that defines the run and differs from it ("--n-embd 32 (the run's: 16)"). A --data
-// other than the run's is taken only when the run's corpus no longer exists (it moved). Lines to
-// print (a changed --lr, a moved corpus) are appended to notes.
+// other than the run's is taken, as an absolute path, only when the run's corpus no longer exists
+// (it moved). Lines to print (a changed --lr, a moved corpus) are appended to notes.
 TrainConfig resume_config(const TrainConfig& run, const TrainConfig& given,
                           const std::function<bool(const std::string&)>& was_given, std::vector<std::string>& notes);
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "lm/checkpoint.h"
 #include "tapegrad/anomaly.h"
@@ -163,6 +164,10 @@ Trainer::Trainer(const TrainConfig& cfg, const Corpus& corpus, bool resume)
   if (!resume_) save_tokenizer(corpus_, cfg_.out);  // tokenizer.json of a BPE run (a resume reads it)
   if (resume_) restore(ck);
   par_ = std::make_unique<DataParallel>(*model_, cfg_, step_, batch_gen_);  // refuses ranks that differ
+  // A new run records its corpus by its absolute path, so that a resume from another working
+  // directory reads the same file. After the ranks agree: theirs may resolve it differently
+  // (another machine), and only rank 0 writes it. A resumed run keeps the path it has.
+  if (!resume_) cfg_.data = absolute_corpus_path(cfg_.data);
   r_.start_step = step_;
   open_logs();
   tty_ = cfg_.progress && isatty(STDERR_FILENO);
@@ -305,7 +310,9 @@ void Trainer::checkpoint() {
                 {"batch_rng_offset", std::to_string(batch_gen_.offset())},
                 {"rng_seed", std::to_string(default_generator().seed())},
                 {"rng_offset", std::to_string(default_generator().offset())},
-                {"best_val", exact(r_.best_val)}};
+                {"best_val", exact(r_.best_val)},
+                {kCorpusHashKey, std::to_string(corpus_.content_hash)}};
+  if (!corpus_.train.empty()) meta[kFirstTokenKey] = std::to_string(corpus_.train.front());
   // a temporary file of this process, fsync, rename
   save_safetensors_atomic((fs::path(cfg_.out) / "checkpoint.safetensors").string(), all, meta);
 }
@@ -378,7 +385,12 @@ void Trainer::sample() {
       cfg_.prompt.empty() ? std::vector<std::int32_t>{corpus_.train[0]} : corpus_.encode(cfg_.prompt);
   auto ids = model_->generate(prompt, cfg_.sample, cfg_.temperature, cfg_.top_k, &g);
   r_.sample_text = corpus_.decode(prompt) + corpus_.decode(ids);
-  if (!cfg_.out.empty()) write_atomic((fs::path(cfg_.out) / "samples.txt").string(), r_.sample_text + "\n");
+  if (cfg_.out.empty()) return;
+  // The first line names the weights the text was drawn from: a resume that does not sample
+  // leaves the file as it is, and it still says which step it shows.
+  std::ostringstream head;
+  head << "step " << step_ << " (temperature " << cfg_.temperature << ", top-k " << cfg_.top_k << ")\n";
+  write_if_changed((fs::path(cfg_.out) / "samples.txt").string(), head.str() + r_.sample_text + "\n");
 }
 
 void Trainer::save_model() {

@@ -137,7 +137,9 @@ class Trainer {
   // memory and the final losses.
   void finish();
   // Generates cfg.sample characters after cfg.prompt from the trained model (its own generator, so
-  // sampling does not disturb training) into samples.txt and the result, the prompt first.
+  // sampling does not disturb training) into the result, the prompt first, and into samples.txt
+  // after a first line naming the step, the temperature and top-k ("step 2000 (temperature 0.8,
+  // top-k 40)"). A run that does not sample leaves samples.txt as it is.
   void sample();
   // The final weights in model.safetensors, under the reference model's names (PyTorch loads them
   // as they are: docs/pytorch.md), with a format tag, the configuration and the vocabulary.

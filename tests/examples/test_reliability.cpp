@@ -5,7 +5,8 @@
 //    which end the step, checkpoint it and exit 130/143;
 //  - run directories (docs/reliability.md): a second --out refuses a run's directory, a lock keeps a
 //    second writer out, a resume refuses flags that differ from the run and reports the whole
-//    run, a finished run resumed without work is left byte for byte;
+//    run, a finished run resumed without work is left byte for byte, a resume reads the run's
+//    corpus from any working directory and refuses another file, samples.txt names its step;
 //  - reproducibility: a fixed seed and thread count give bit-identical logs and weights (and what
 //    changes between 1 and 2 threads is reported);
 //  - hardened checkpoint loading: 20,000 corrupted checkpoints either load or are
@@ -28,6 +29,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -923,17 +925,190 @@ TEST_CASE("lm::resume_config lists every differing flag that defines the run and
   CHECK(r.model.n_embd == 16);
   CHECK(r.seed == run_cfg.seed);
   CHECK(notes.empty());
-  // A corpus that moved: its new path is taken when the run's path no longer exists.
+  // A corpus that moved: its new path is taken when the run's path no longer exists, and recorded
+  // absolute, as a new run records its corpus.
   run_cfg.data = (dir / "moved_away.txt").string();
   flags = {"--data"};
   r = lm::resume_config(run_cfg, given, was_given, notes);
-  CHECK(r.data == data);
+  CHECK(r.data == fs::canonical(data).string());
   REQUIRE(notes.size() == 1);
   CHECK(has(notes[0], "is gone"));
+  given.data = fs::relative(data).string();
+  REQUIRE(fs::path(given.data).is_relative());
+  r = lm::resume_config(run_cfg, given, was_given, notes);
+  CHECK(r.data == fs::canonical(data).string());
   run_cfg.data = data;
   given.data = (dir / "other.txt").string();
   write_file(given.data, "other");
   REQUIRE_TG_ERROR(lm::resume_config(run_cfg, given, was_given, notes), "--data");
+  fs::remove_all(dir);
+}
+
+namespace {
+
+// Rewrites dir's checkpoint with its metadata edited, its tensors kept: a checkpoint as another
+// version of the program, or a damaged file, would have it.
+void edit_checkpoint_meta(const fs::path& dir, const std::function<void(Metadata&)>& edit) {
+  const std::string ck = (dir / "checkpoint.safetensors").string();
+  Metadata meta;
+  const StateDict tensors = load_safetensors(ck, &meta);
+  edit(meta);
+  save_safetensors(ck, tensors, meta);
+}
+
+// The text of a samples.txt after its first line (which names the step), and that line.
+std::string sample_body(const fs::path& file, std::string* head = nullptr) {
+  const std::string text = read_file(file);
+  const auto eol = text.find('\n');
+  if (head) *head = text.substr(0, eol);
+  return eol == std::string::npos ? std::string() : text.substr(eol + 1);
+}
+
+// Sets the working directory for as long as it lives (the children spawned meanwhile start there).
+class InDirectory {
+ public:
+  explicit InDirectory(const fs::path& dir) : old_(fs::current_path()) { fs::current_path(dir); }
+  ~InDirectory() {
+    std::error_code ec;
+    fs::current_path(old_, ec);
+  }
+  InDirectory(const InDirectory&) = delete;
+  InDirectory& operator=(const InDirectory&) = delete;
+
+ private:
+  fs::path old_;
+};
+
+}  // namespace
+
+TEST_CASE("a finished BPE run samples as its samples.txt from the first token its checkpoint records, without the corpus",
+          "[reliability][resume][sample]") {
+  const fs::path dir = scratch("sample_bpe");
+  const std::string data = make_corpus(dir);
+  const fs::path out = dir / "run", log = dir / "log";
+  REQUIRE(run(tiny_run(data, out, 10) + std::vector<std::string>{"--tokenizer", "bpe", "--vocab-size", "300",
+                                                                  "--sample", "30"},
+              log) == 0);
+  const std::string expected = sample_body(out / "samples.txt");
+  REQUIRE(expected.size() > 30);
+  const auto sample = resume_of(out) + std::vector<std::string>{"--sample", "30"};
+  fs::remove(log);
+  REQUIRE(run(sample, log) == 0);
+  CHECK(read_file(log) == expected);
+  // Without --prompt the sample starts from the first token of the training split: the checkpoint
+  // records it, so the corpus is neither encoded nor read (it may be gone, or large).
+  const std::string moved = data + ".moved";
+  fs::rename(data, moved);
+  fs::remove(log);
+  CHECK(run(sample, log) == 0);
+  CHECK(read_file(log) == expected);
+  // A damaged record is refused, naming it.
+  const fs::path damaged = dir / "damaged";
+  fs::copy(out, damaged, fs::copy_options::recursive);
+  edit_checkpoint_meta(damaged, [](Metadata& m) { m[lm::kFirstTokenKey] = "1000000"; });
+  fs::remove(log);
+  CHECK(run(resume_of(damaged) + std::vector<std::string>{"--sample", "30"}, log) == 2);
+  auto errors = error_lines(log);
+  REQUIRE(errors.size() == 1);
+  CHECK(has(errors[0], "'first_token' 1000000 is outside the vocabulary"));
+  // A checkpoint of an earlier version, without the record: the first token comes from the
+  // corpus, encoded as the run encoded it; with the corpus gone, one line asks for --prompt.
+  edit_checkpoint_meta(out, [](Metadata& m) { m.erase(lm::kFirstTokenKey); });
+  fs::remove(log);
+  CHECK(run(sample, log) == 2);
+  errors = error_lines(log);
+  REQUIRE(errors.size() == 1);
+  CHECK(has(errors[0], "--sample: without --prompt a sample starts from the first character of the run's corpus"));
+  fs::rename(moved, data);
+  fs::remove(log);
+  CHECK(run(sample, log) == 0);
+  CHECK(read_file(log) == expected);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a relative --data is recorded as an absolute path: a resume from elsewhere reads the run's corpus, and "
+          "refuses another file naming the path it read",
+          "[reliability][resume][data]") {
+  const fs::path dir = scratch("relative_data");
+  const fs::path a = dir / "a", b = dir / "b";
+  fs::create_directories(a);
+  fs::create_directories(b);
+  // Two corpus.txt files with the same characters and other text: a vocabulary cannot tell them apart.
+  lmtest::make_corpus(a, 1200, 5);
+  lmtest::make_corpus(b, 1200, 6);
+  REQUIRE(lm::load_corpus((a / "corpus.txt").string(), 16).chars.vocab() ==
+          lm::load_corpus((b / "corpus.txt").string(), 16).chars.vocab());
+  const fs::path out = dir / "run", log = dir / "log";
+  auto start = [&](const std::string& data, const fs::path& to, int steps) {
+    return tiny_run(data, to, steps) + std::vector<std::string>{"--lr-decay-iters", "20"};
+  };
+  {
+    const InDirectory in(a);
+    REQUIRE(run(start("corpus.txt", out, 10), log) == 0);
+  }
+  CHECK(lm::read_checkpoint_config(out.string()).data == fs::canonical(a / "corpus.txt").string());
+  const fs::path legacy = dir / "legacy";
+  fs::copy(out, legacy, fs::copy_options::recursive);
+  // Resumed from b, it continues on a's corpus: the losses of a straight run on it.
+  {
+    const InDirectory in(b);
+    REQUIRE(run(resume_of(out) + std::vector<std::string>{"--steps", "20"}, log) == 0);
+  }
+  REQUIRE(run(start((a / "corpus.txt").string(), dir / "ref", 20), log) == 0);
+  CHECK(first_difference(train_log(out), train_log(dir / "ref")) == "");
+
+  // A run that names its corpus by a relative path (as earlier versions recorded it) reads it from
+  // the working directory; from b that is another file, which its recorded bytes refuse.
+  edit_checkpoint_meta(legacy, [](Metadata& m) {
+    nlohmann::json config = nlohmann::json::parse(m.at("config"));
+    config["data"] = "corpus.txt";
+    m["config"] = config.dump();
+  });
+  const auto before = snapshot(legacy);
+  {
+    const InDirectory in(b);
+    fs::remove(log);
+    CHECK(run(resume_of(legacy) + std::vector<std::string>{"--steps", "20"}, log) == 2);
+  }
+  const auto errors = error_lines(log);
+  REQUIRE(errors.size() == 1);
+  INFO(errors[0]);
+  CHECK(has(errors[0], "the corpus 'corpus.txt' (" + (fs::canonical(b) / "corpus.txt").string() + ")"));
+  CHECK(has(errors[0], "is not the one the run was trained on"));
+  CHECK(snapshot(legacy) == before);
+  // Without the recorded bytes (a checkpoint of an earlier version) the relative path is read as
+  // before, from the working directory, with a note saying which file that is.
+  edit_checkpoint_meta(legacy, [](Metadata& m) { m.erase(lm::kCorpusHashKey); });
+  {
+    const InDirectory in(a);
+    fs::remove(log);
+    REQUIRE(run(resume_of(legacy) + std::vector<std::string>{"--steps", "20"}, log) == 0);
+  }
+  CHECK(has(read_file(log), "note: the run names its corpus by a relative path; reading it from this working "
+                            "directory: 'corpus.txt' (" + (fs::canonical(a) / "corpus.txt").string() + ")"));
+  CHECK(first_difference(train_log(legacy), train_log(dir / "ref")) == "");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("samples.txt names the step it was drawn at, and a resume that does not sample leaves it naming that step",
+          "[reliability][resume][sample]") {
+  const fs::path dir = scratch("samples_step");
+  const std::string data = make_corpus(dir);
+  const fs::path out = dir / "run", log = dir / "log", samples = out / "samples.txt";
+  const auto args = tiny_run(data, out, 10) + std::vector<std::string>{"--sample", "20", "--lr-decay-iters", "30"};
+  REQUIRE(run(args, log) == 0);
+  std::string head;
+  const std::string body = sample_body(samples, &head);
+  CHECK(head == "step 10 (temperature 0.8, top-k 40)");
+  CHECK(body.size() > 20);
+  const std::string drawn = read_file(samples);
+  REQUIRE(run(resume_of(out) + std::vector<std::string>{"--steps", "20"}, log) == 0);
+  CHECK(checkpoint_step(out) == 20);
+  CHECK(read_file(samples) == drawn);  // kept, and it says which weights drew it
+  REQUIRE(run(resume_of(out) + std::vector<std::string>{"--steps", "30", "--sample", "20", "--temperature", "0.5"},
+              log) == 0);
+  sample_body(samples, &head);
+  CHECK(head == "step 30 (temperature 0.5, top-k 40)");
   fs::remove_all(dir);
 }
 
