@@ -9,15 +9,15 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 #include <set>
 #include <sstream>
 #include <system_error>
+
+#include "atomic_file.h"
 
 namespace tg {
 
@@ -354,46 +354,6 @@ struct FdGuard {
   }
 };
 
-void write_all(int fd, const char* p, std::size_t n, const std::string& ctx) {
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, std::min<std::size_t>(n, std::size_t(1) << 30));
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) fail_at(ctx, "write failed: ", w < 0 ? errno_text(errno) : "no progress");
-    p += w;
-    n -= static_cast<std::size_t>(w);
-  }
-}
-
-// Writes to a temporary file beside path (its name, the pid and a count, this write's alone),
-// fsyncs it, renames it over path and fsyncs the directory; on any failure the temporary file is
-// removed and path is left as it was. The file is created 0644 less the umask, as
-// save_safetensors' files are.
-template <class Body>
-void write_atomically(const std::string& path, const std::string& ctx, Body&& body) {
-  static std::atomic<unsigned> writes{0};
-  const std::string tmp = path + "." + std::to_string(::getpid()) + "." + std::to_string(writes++) + ".tmp";
-  FdGuard g;
-  g.fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (g.fd < 0) fail_at(ctx, "cannot create a temporary file beside it: ", errno_text(errno));
-  try {
-    body(g.fd);
-    if (::fsync(g.fd) != 0) fail_at(ctx, "fsync of '", tmp, "' failed: ", errno_text(errno));
-    const int fd = g.fd;
-    g.fd = -1;
-    if (::close(fd) != 0) fail_at(ctx, "close of '", tmp, "' failed: ", errno_text(errno));
-    if (::rename(tmp.c_str(), path.c_str()) != 0) fail_at(ctx, "rename of '", tmp, "' failed: ", errno_text(errno));
-  } catch (...) {
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  const std::string dir = std::filesystem::path(path).parent_path().string();
-  const int d = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (d >= 0) {  // the rename is on disk once the directory is (one that cannot be opened: best effort)
-    ::fsync(d);
-    ::close(d);
-  }
-}
-
 }  // namespace
 
 std::string to_gguf_bytes(const StateDict& tensors, const GGUFMetadata& metadata) {
@@ -409,9 +369,9 @@ void save_gguf(const std::string& path, const StateDict& tensors, const GGUFMeta
   const std::string ctx = "save_gguf: '" + path + "'";
   std::vector<std::uint64_t> offsets;
   const std::string header = make_header(tensors, metadata, alignment_of(metadata, ctx), offsets, ctx);
-  write_atomically(path, ctx, [&](int fd) {
-    write_all(fd, header.data(), header.size(), ctx);
-    emit_data(tensors, offsets, [&](const char* p, std::size_t n) { write_all(fd, p, n, ctx); });
+  detail::write_atomically(path, ctx, [&](int fd) {
+    detail::write_all(fd, header.data(), header.size(), ctx);
+    emit_data(tensors, offsets, [&](const char* p, std::size_t n) { detail::write_all(fd, p, n, ctx); });
   });
 }
 

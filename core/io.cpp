@@ -23,6 +23,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "atomic_file.h"
+
 namespace tg {
 
 // ---------------------------------------------------------------------------------------------
@@ -201,29 +203,6 @@ struct FdGuard {
     if (fd >= 0) ::close(fd);
   }
 };
-
-void write_all(int fd, const char* p, std::size_t n, const std::string& ctx) {
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, std::min<std::size_t>(n, std::size_t(1) << 30));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      fail_ctx(ctx, "write failed: ", errno_text(errno));
-    }
-    if (w == 0) fail_ctx(ctx, "write made no progress");
-    p += w;
-    n -= static_cast<std::size_t>(w);
-  }
-}
-
-// Best effort: makes the rename durable by syncing the directory that holds path.
-void sync_parent_dir(const std::string& path) {
-  const std::size_t slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;
-  (void)::fsync(fd);
-  ::close(fd);
-}
 
 // ---------------------------------------------------------------------------------------------
 // Reading
@@ -468,28 +447,15 @@ std::string to_safetensors_bytes(const StateDict& tensors, const Metadata& metad
 void save_safetensors(const std::string& path, const StateDict& tensors, const Metadata& metadata) {
   const std::string ctx = path_ctx("save_safetensors", path);
   const Layout layout = make_layout(tensors, metadata, ctx);
-  const std::string tmp = path + ".tmp";
-  FdGuard g;
-  g.fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (g.fd < 0) fail_ctx(ctx, "cannot create '", tmp, "': ", errno_text(errno));
-  try {
-    write_all(g.fd, layout.header.data(), layout.header.size(), ctx);
-    emit_data(layout, [&](const char* p, std::size_t n) { write_all(g.fd, p, n, ctx); });
-    if (::fsync(g.fd) != 0) fail_ctx(ctx, "fsync of '", tmp, "' failed: ", errno_text(errno));
-    const int fd = g.fd;
-    g.fd = -1;
-    if (::close(fd) != 0) fail_ctx(ctx, "close of '", tmp, "' failed: ", errno_text(errno));
-    if (::rename(tmp.c_str(), path.c_str()) != 0)
-      fail_ctx(ctx, "rename of '", tmp, "' failed: ", errno_text(errno));
-  } catch (...) {
-    if (g.fd >= 0) {
-      ::close(g.fd);
-      g.fd = -1;
-    }
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  sync_parent_dir(path);
+  detail::write_atomically(path, ctx, [&](int fd) {
+    detail::write_all(fd, layout.header.data(), layout.header.size(), ctx);
+    emit_data(layout, [&](const char* p, std::size_t n) { detail::write_all(fd, p, n, ctx); });
+  });
+}
+
+void write_file_atomic(const std::string& path, const std::string& bytes) {
+  const std::string ctx = path_ctx("write_file_atomic", path);
+  detail::write_atomically(path, ctx, [&](int fd) { detail::write_all(fd, bytes.data(), bytes.size(), ctx); });
 }
 
 StateDict from_safetensors_bytes(const std::string& bytes, Metadata* metadata) {

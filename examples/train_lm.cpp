@@ -245,7 +245,7 @@ void trace_one_step(const Options& o) {
   tg::tape().print(std::cout);
   if (!c.out.empty()) {
     fs::create_directories(c.out);
-    lm::write_atomic((fs::path(c.out) / "tape.dot").string(), tg::tape().to_dot());  // a failed write is an error
+    tg::write_file_atomic((fs::path(c.out) / "tape.dot").string(), tg::tape().to_dot());  // a failed write is an error
     std::cout << "Graphviz: " << (fs::path(c.out) / "tape.dot").string() << " (dot -Tsvg tape.dot -o tape.svg)\n";
   }
   loss.backward();

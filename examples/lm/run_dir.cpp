@@ -28,20 +28,26 @@ bool is_run_file(const std::string& name) {
   return false;
 }
 
-// A temporary file of a run file, "<file>.tmp", "<file>.<pid>.tmp" or "<file>.<pid>", or of a BPE
-// run's tokenizer.json (which --overwrite keeps: a new run may be given it with --tokenizer),
-// "tokenizer.json.<pid>.tmp".
+// A temporary file of a run file: "<file>.<pid>.<n>.tmp" (tg::write_file_atomic's and
+// tg::save_safetensors' own), or "<file>.tmp", "<file>.<pid>.tmp" or "<file>.<pid>" (those of
+// earlier versions); or of a BPE run's tokenizer.json (which --overwrite keeps: a new run may be
+// given it with --tokenizer), only as "tokenizer.json.<pid>[.<n>].tmp".
 bool is_run_temp(const std::string& name) {
   const bool tmp = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;
   std::string stem = tmp ? name.substr(0, name.size() - 4) : name;
-  const auto dot = stem.rfind('.');
-  const bool pid = dot != std::string::npos && dot + 1 < stem.size() &&
-                   stem.find_first_not_of("0123456789", dot + 1) == std::string::npos;
-  if (pid) stem.resize(dot);
-  else if (!tmp) return false;
-  // tokenizer.json is not a run file (a user may keep copies of it beside it): only write_atomic's
-  // "tokenizer.json.<pid>.tmp" is its temporary file.
-  return is_run_file(stem) || (stem == "tokenizer.json" && tmp && pid);
+  // Strips a trailing ".<digits>", returning whether there was one.
+  const auto strip_number = [&stem] {
+    const auto dot = stem.rfind('.');
+    if (dot == std::string::npos || dot + 1 == stem.size() ||
+        stem.find_first_not_of("0123456789", dot + 1) != std::string::npos)
+      return false;
+    stem.resize(dot);
+    return true;
+  };
+  int numbers = 0;  // "<pid>" and "<n>" with .tmp, "<pid>" without
+  while (numbers < (tmp ? 2 : 1) && strip_number()) ++numbers;
+  if (!tmp && numbers == 0) return false;
+  return is_run_file(stem) || (stem == "tokenizer.json" && tmp && numbers > 0);
 }
 
 // Every regular file in dir and up to two directory levels below it (<norm>/seed<N>/).
@@ -168,61 +174,6 @@ RunLock claim_new_run(const std::string& dir, bool overwrite) {
   return lock;
 }
 
-std::string temp_path(const std::string& path) { return path + "." + std::to_string(::getpid()) + ".tmp"; }
-
-namespace {
-
-void write_fd(int fd, const std::string& bytes, const std::string& tmp) {
-  std::size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) tg::fail("write", "'", tmp, "': ", errno_text(errno));
-    done += static_cast<std::size_t>(n);
-  }
-  if (::fsync(fd) != 0) tg::fail("write", "fsync of '", tmp, "' failed: ", errno_text(errno));
-}
-
-// The rename reaches the disk with its directory's entry.
-void sync_dir(const fs::path& dir) {
-  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
-}
-
-}  // namespace
-
-void write_atomic(const std::string& path, const std::string& bytes) {
-  const std::string tmp = temp_path(path);
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) tg::fail("write", "cannot create '", tmp, "': ", errno_text(errno));
-  try {
-    write_fd(fd, bytes, tmp);
-    const int f = fd;
-    fd = -1;
-    if (::close(f) != 0) tg::fail("write", "close of '", tmp, "' failed: ", errno_text(errno));
-    if (::rename(tmp.c_str(), path.c_str()) != 0)
-      tg::fail("write", "rename of '", tmp, "' to '", path, "' failed: ", errno_text(errno));
-  } catch (...) {
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  sync_dir(fs::path(path).parent_path());
-}
-
-void save_safetensors_atomic(const std::string& path, const tg::StateDict& tensors, const tg::Metadata& metadata) {
-  const std::string mine = path + "." + std::to_string(::getpid());
-  tg::save_safetensors(mine, tensors, metadata);  // through mine + ".tmp", fsync'ed
-  if (::rename(mine.c_str(), path.c_str()) != 0) {
-    const int e = errno;
-    ::unlink(mine.c_str());
-    tg::fail("write", "rename of '", mine, "' to '", path, "' failed: ", errno_text(e));
-  }
-  sync_dir(fs::path(path).parent_path());
-}
-
 bool write_if_changed(const std::string& path, const std::string& bytes) {
   std::error_code ec;
   if (fs::is_regular_file(path, ec) && fs::file_size(path, ec) == bytes.size()) {
@@ -231,7 +182,7 @@ bool write_if_changed(const std::string& path, const std::string& bytes) {
     s << f.rdbuf();
     if (s.str() == bytes) return false;
   }
-  write_atomic(path, bytes);
+  tg::write_file_atomic(path, bytes);
   return true;
 }
 

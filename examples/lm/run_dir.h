@@ -3,8 +3,8 @@
 //   - a fresh run refuses a directory that already holds a run, unless asked to replace it;
 //   - while a process writes a directory it holds an exclusive lock on DIR/.train_lm.lock
 //     (flock(2)), so a second process is refused with one line instead of interleaving its files;
-//   - every file is written through a temporary file unique to the process (<name>.<pid>.tmp),
-//     fsync'ed, then renamed over the name, so a crash or a second writer never leaves a torn
+//   - every file is written through a temporary file of its own (<name>.<pid>.<n>.tmp,
+//     tg::write_file_atomic), fsync'ed, then renamed over the name, so a crash or a second writer never leaves a torn
 //     file under a run's name. Temporary files a killed process left are removed by the next
 //     process that takes the lock.
 #include <string>
@@ -45,16 +45,8 @@ class RunLock {
 // when it holds a run; with overwrite, removes that run's files (and nothing else) instead.
 RunLock claim_new_run(const std::string& dir, bool overwrite);
 
-// Writes bytes to path atomically through a temporary file unique to this process; on any
-// failure (a full disk: ENOSPC) the temporary file is removed and tg::Error says why.
-void write_atomic(const std::string& path, const std::string& bytes);
-// tg::save_safetensors to path the same way, without a copy of the file in memory: to
-// <path>.<pid>.tmp, fsync'ed, renamed to <path>.<pid>, then renamed over path.
-void save_safetensors_atomic(const std::string& path, const tg::StateDict& tensors, const tg::Metadata& metadata);
-// As write_atomic, unless path already holds exactly these bytes: then nothing is touched.
-// Returns whether it wrote.
+// tg::write_file_atomic(path, bytes), unless path already holds exactly these bytes: then nothing
+// is touched. Returns whether it wrote.
 bool write_if_changed(const std::string& path, const std::string& bytes);
-// The temporary name write_atomic uses for path in this process.
-std::string temp_path(const std::string& path);
 
 }  // namespace lm

@@ -42,7 +42,7 @@ TokenizerChoice run_tokenizer(const std::string& kind, const std::string& dir) {
 }
 
 void save_tokenizer(const Corpus& corpus, const std::string& dir) {
-  if (corpus.bpe && !dir.empty()) write_atomic((fs::path(dir) / "tokenizer.json").string(), corpus.bpe->to_tokenizer_json());
+  if (corpus.bpe && !dir.empty()) tg::write_file_atomic((fs::path(dir) / "tokenizer.json").string(), corpus.bpe->to_tokenizer_json());
 }
 
 double bits_per_byte(double loss, const Corpus& corpus, bool val) {

@@ -313,8 +313,8 @@ void Trainer::checkpoint() {
                 {"best_val", exact(r_.best_val)},
                 {kCorpusHashKey, std::to_string(corpus_.content_hash)}};
   if (!corpus_.train.empty()) meta[kFirstTokenKey] = std::to_string(corpus_.train.front());
-  // a temporary file of this process, fsync, rename
-  save_safetensors_atomic((fs::path(cfg_.out) / "checkpoint.safetensors").string(), all, meta);
+  // whole or not at all: a temporary file of its own, fsync, rename (tg::save_safetensors)
+  save_safetensors((fs::path(cfg_.out) / "checkpoint.safetensors").string(), all, meta);
 }
 
 int Trainer::stop_requested() const { return par_->agree_stop(stop_signal()); }

@@ -214,7 +214,7 @@ TEST_CASE("save_gguf writes atomically and leaves nothing behind when it refuses
   std::size_t files = 0;
   for (const auto& e : fs::directory_iterator(tmp.dir)) files += e.is_regular_file();
   CHECK(files == 1);  // no temporary file left
-  REQUIRE_TG_ERROR(save_gguf(tmp.path("no/such/dir/m.gguf"), sample_tensors(), {}), "save_gguf: ", "temporary");
+  REQUIRE_TG_ERROR(save_gguf(tmp.path("no/such/dir/m.gguf"), sample_tensors(), {}), "save_gguf: ", "cannot create", ".tmp");
   REQUIRE_TG_ERROR(load_gguf(tmp.path("missing.gguf")), "load_gguf: ", "cannot open");
   REQUIRE_TG_ERROR(load_gguf(tmp.dir.string()), "not a regular file");
   // The file takes 0644 less the umask, as save_safetensors' do.

@@ -1,12 +1,15 @@
 // State dicts and safetensors: round trips, the published byte format (checked by an independent
 // reader written here), atomic saves, and validation of malformed files.
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <climits>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -153,7 +156,9 @@ TEST_CASE("save and load round-trip every dtype and shape bit-exactly, with meta
   const Metadata meta = {{"format", "pt"}, {"step", "1200"}, {"note", "ünïcödé \"quoted\"\n"}};
   save_safetensors(path, sd, meta);
   CHECK(fs::exists(path));
-  CHECK_FALSE(fs::exists(path + ".tmp"));
+  std::vector<std::string> files;  // the file alone: its temporary file is gone
+  for (const auto& e : fs::directory_iterator(tmp.dir)) files.push_back(e.path().filename().string());
+  CHECK(files == std::vector<std::string>{"model.safetensors"});
 
   Metadata got_meta = {{"stale", "entry"}};
   const StateDict back = load_safetensors(path, &got_meta);
@@ -333,23 +338,67 @@ TEST_CASE("save_safetensors is atomic and cleans up after failures", "[io]") {
     CHECK_FALSE(fs::exists(tmp.dir / "no"));
     CHECK(fs::is_empty(tmp.dir));
   }
+  // The names in tmp.dir, sorted.
+  const auto names = [&] {
+    std::vector<std::string> files;
+    for (const auto& e : fs::directory_iterator(tmp.dir)) files.push_back(e.path().filename().string());
+    std::sort(files.begin(), files.end());
+    return files;
+  };
   SECTION("a failing rename (target is a directory) removes the temp file") {
     const std::string path = tmp.path("taken");
     fs::create_directory(path);
     REQUIRE_TG_ERROR(save_safetensors(path, sd), "save_safetensors", path.c_str(), "rename");
-    CHECK_FALSE(fs::exists(path + ".tmp"));
+    CHECK(names() == std::vector<std::string>{"taken"});
     CHECK(fs::is_directory(path));
   }
-  SECTION("overwriting replaces the file and leaves no temp file, even a stale one") {
+  SECTION("overwriting replaces the file, leaves no temp file of its own, and another's alone") {
     const std::string path = tmp.path("model.safetensors");
     write_bytes(path, "old contents");
-    write_bytes(path + ".tmp", "stale temp from a crash");
+    write_bytes(path + ".tmp", "a temp file of another program");
     save_safetensors(path, sd);
-    CHECK_FALSE(fs::exists(path + ".tmp"));
     CHECK(read_bytes(path) == to_safetensors_bytes(sd));
-    std::vector<std::string> files;
-    for (const auto& e : fs::directory_iterator(tmp.dir)) files.push_back(e.path().filename().string());
-    CHECK(files == std::vector<std::string>{"model.safetensors"});
+    CHECK(read_bytes(path + ".tmp") == "a temp file of another program");
+    CHECK(names() == std::vector<std::string>{"model.safetensors", "model.safetensors.tmp"});
+  }
+  SECTION("two processes saving one path at once each rename a whole file of their own") {
+    // With one temporary name for both, one truncates and rewrites the file the other is writing
+    // or has just renamed, and the result is torn.
+    const std::string path = tmp.path("model.safetensors");
+    StateDict big[2];
+    big[0].insert("w", full({1 << 18}, 1.0f));
+    big[1].insert("w", full({1 << 18}, 2.0f));
+    big[1].insert("b", full({3}, 5.0f));
+    pid_t pids[2];
+    for (int who = 0; who < 2; ++who) {
+      std::cout.flush();
+      pids[who] = ::fork();
+      if (pids[who] == 0) {
+        int code = 0;
+        for (int i = 0; i < 40; ++i) try {
+            save_safetensors(path, big[who]);
+          } catch (...) {
+            code = 1;
+          }
+        ::_exit(code);
+      }
+    }
+    for (pid_t pid : pids) {
+      int st = 0;
+      REQUIRE(::waitpid(pid, &st, 0) == pid);
+      CHECK((WIFEXITED(st) && WEXITSTATUS(st) == 0));
+    }
+    const std::string bytes = read_bytes(path);
+    CHECK((bytes == to_safetensors_bytes(big[0]) || bytes == to_safetensors_bytes(big[1])));
+    CHECK(names() == std::vector<std::string>{"model.safetensors"});
+  }
+  SECTION("write_file_atomic writes any bytes the same way") {
+    const std::string path = tmp.path("notes.txt");
+    write_file_atomic(path, "first");
+    write_file_atomic(path, std::string("se\0cond", 7));
+    CHECK(read_bytes(path) == std::string("se\0cond", 7));
+    CHECK(names() == std::vector<std::string>{"notes.txt"});
+    REQUIRE_TG_ERROR(write_file_atomic(tmp.path("no/such/dir/x"), "x"), "write_file_atomic", "no/such/dir/x");
   }
   SECTION("bad names and undefined tensors are refused before anything is written") {
     const std::string path = tmp.path("x.safetensors");

@@ -141,7 +141,7 @@ execute_process(COMMAND sh -c "trap '' XFSZ; ulimit -f 0; exec \"$0\" \"$@\"" ${
                         --n-layer 1 --n-embd 16 --n-head 2 --block-size 8 --batch-size 2 --trace --out ${trace_dir}
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 string(STRIP "${err}" err)
-if(NOT rc EQUAL 2 OR NOT err MATCHES "^train_lm: error: write: .*tape.dot.*File too large$" OR out MATCHES "Graphviz:"
+if(NOT rc EQUAL 2 OR NOT err MATCHES "^train_lm: error: write_file_atomic: .*tape.dot.*File too large$" OR out MATCHES "Graphviz:"
    OR EXISTS ${trace_dir}/tape.dot)
   message(FATAL_ERROR "--trace --out with no room: expected exit 2 and one line naming tape.dot, got exit ${rc}:\n${err}")
 endif()

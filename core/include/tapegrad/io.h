@@ -38,9 +38,15 @@ class StateDict {
 
 using Metadata = std::map<std::string, std::string>;
 
-// Writes atomically: to "<path>.tmp", flushed and fsync'ed, then renamed over path, so a crash
-// never leaves a half-written file under the final name. Throws tg::Error on any I/O failure.
+// Writes atomically: to a temporary file of its own beside path ("<path>.<pid>.<n>.tmp", mode 0644
+// less the umask), fsync'ed, then renamed over path, and the directory fsync'ed. A crash never
+// leaves a half-written file under the final name, a failure leaves path as it was, and two saves
+// of one path at once each rename a whole file (the last one wins). Throws tg::Error on any I/O
+// failure, naming the path.
 void save_safetensors(const std::string& path, const StateDict& tensors, const Metadata& metadata = {});
+
+// Any bytes to path, written as save_safetensors writes its file: whole or not at all.
+void write_file_atomic(const std::string& path, const std::string& bytes);
 // Same bytes, in memory.
 std::string to_safetensors_bytes(const StateDict& tensors, const Metadata& metadata = {});
 

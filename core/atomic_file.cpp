@@ -1,0 +1,63 @@
+// Files written whole or not at all: see atomic_file.h.
+#include "atomic_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <filesystem>
+#include <system_error>
+
+#include "tapegrad/error.h"
+
+namespace tg::detail {
+
+namespace {
+
+std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
+
+}  // namespace
+
+std::string atomic_temp_name(const std::string& path) {
+  static std::atomic<unsigned long> writes{0};
+  return path + "." + std::to_string(::getpid()) + "." + std::to_string(writes.fetch_add(1)) + ".tmp";
+}
+
+void write_all(int fd, const char* p, std::size_t n, const std::string& ctx) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, std::min<std::size_t>(n, std::size_t(1) << 30));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) fail(ctx.c_str(), "write failed: ", w < 0 ? errno_text(errno) : "no progress");
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+}
+
+void write_atomically(const std::string& path, const std::string& ctx, const std::function<void(int fd)>& body) {
+  const std::string tmp = atomic_temp_name(path);
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) fail(ctx.c_str(), "cannot create '", tmp, "': ", errno_text(errno));
+  try {
+    body(fd);
+    if (::fsync(fd) != 0) fail(ctx.c_str(), "fsync of '", tmp, "' failed: ", errno_text(errno));
+    const int f = fd;
+    fd = -1;
+    if (::close(f) != 0) fail(ctx.c_str(), "close of '", tmp, "' failed: ", errno_text(errno));
+    if (::rename(tmp.c_str(), path.c_str()) != 0)
+      fail(ctx.c_str(), "rename of '", tmp, "' to '", path, "' failed: ", errno_text(errno));
+  } catch (...) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  const int d = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (d >= 0) {
+    ::fsync(d);
+    ::close(d);
+  }
+}
+
+}  // namespace tg::detail
