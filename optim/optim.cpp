@@ -180,6 +180,8 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, std::string name, double de
              " again (the same memory); list each parameter once, or a step updates it twice");
     }
     n += pg.params.size();
+    made_.emplace_back();
+    for (const Tensor& p : pg.params) made_.back().push_back({p.raw_data(), p.dtype(), p.shape()});
   }
   if (n == 0) fail(name_.c_str(), "got an empty parameter list");
   state_.resize(n);
@@ -187,6 +189,30 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, std::string name, double de
 
 void Optimizer::check_lr(double lr) const {
   if (!(lr >= 0) || !std::isfinite(lr)) fail(name_.c_str(), "invalid learning rate: ", lr);
+}
+
+void Optimizer::check_groups() const {
+  const char* me = name_.c_str();
+  if (groups_.size() != made_.size())
+    fail(me, "param_groups() holds ", groups_.size(), " groups where the optimizer was made with ", made_.size(),
+         "; its state follows the parameters it was made with: make a new optimizer for others");
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const ParamGroup& pg = groups_[g];
+    if (!(pg.lr >= 0) || !std::isfinite(pg.lr)) fail(me, "group ", g, ": invalid learning rate: ", pg.lr);
+    if (!std::isfinite(pg.weight_decay)) fail(me, "group ", g, ": invalid weight_decay value: ", pg.weight_decay);
+    if (pg.params.size() != made_[g].size())
+      fail(me, "group ", g, " of param_groups() holds ", pg.params.size(), " parameters where the optimizer was made with ",
+           made_[g].size(), "; its state follows the parameters it was made with: make a new optimizer for others");
+    for (std::size_t k = 0; k < pg.params.size(); ++k) {
+      const Tensor& p = pg.params[k];
+      const Made& m = made_[g][k];
+      if (!p.defined() || p.raw_data() != m.data || p.dtype() != m.dtype || p.shape() != m.shape)
+        fail(me, "parameter ", k, " of group ", g, " (",
+             p.defined() ? std::string(dtype_name(p.dtype())) + " " + p.shape().str() : "undefined",
+             ") is not the one the optimizer was made with (", dtype_name(m.dtype), ' ', m.shape,
+             "); its state follows the parameters it was made with: make a new optimizer for others");
+    }
+  }
 }
 
 void Optimizer::zero_grad() {
@@ -207,6 +233,7 @@ std::vector<Tensor> Optimizer::all_params() const {
 
 double Optimizer::clip_and_step(double max_norm) {
   check_max_norm(name_ + ".clip_and_step", max_norm);
+  check_groups();
   const std::vector<Tensor> ps = all_params();
   const double total = grad_norm(ps);
   if (!std::isfinite(total)) return total;
@@ -233,6 +260,7 @@ double& Optimizer::scalar_state(std::size_t i, const std::string& key) {
 
 template <class F>
 void Optimizer::for_each_param_with_grad(F&& f) {
+  check_groups();
   std::size_t i = 0;
   for (auto& g : groups_)
     for (auto& p : g.params) {
@@ -245,6 +273,7 @@ void Optimizer::for_each_param_with_grad(F&& f) {
 }
 
 StateDict Optimizer::state_dict() const {
+  check_groups();
   StateDict sd;
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     sd.insert("group." + std::to_string(g) + ".lr", full({}, groups_[g].lr, float64));
@@ -294,6 +323,7 @@ std::string state_entry_error(const std::string& key, const std::string& rest, c
 }  // namespace
 
 void Optimizer::load_state_dict(const StateDict& sd) {
+  check_groups();
   // Parameter i's shape and dtype, for checking.
   std::vector<const Tensor*> params;
   for (auto& g : groups_)
@@ -502,6 +532,7 @@ void Adam::step() { update(1); }
 
 double Adam::clip_and_step(double max_norm) {
   check_max_norm(name() + ".clip_and_step", max_norm);
+  check_groups();
   const double total = grad_norm(all_params());
   if (std::isfinite(total)) update(max_norm / (total + 1e-6));
   return total;

@@ -538,6 +538,63 @@ TEST_CASE("a parameter listed twice, in one group or two, is refused naming both
   }
 }
 
+TEST_CASE("param_groups() changes its hyperparameters, and a changed parameter list is refused before anything moves",
+          "[optim]") {
+  using tgtest::param64;
+  const Tensor w = param64({3, 4}, 1), b = param64({4}, 2), big = param64({64}, 3);
+  optim::AdamW opt({{{w, b}, 0.1, 0.0}});
+  tg::sum(w * 1.0).backward();
+  tg::sum(b * 1.0).backward();
+  tg::sum(big * 1.0).backward();
+  opt.step();  // state for w and b
+  // A new lr through param_groups(), as PyTorch's opt.param_groups[0]['lr'] = ..., is taken.
+  opt.param_groups()[0].lr = 0.05;
+  opt.step();
+  CHECK(opt.state_dict().at("group.0.lr").item() == 0.05);
+  const tg::StateDict state = opt.state_dict();
+  const std::vector<double> w_now = w.to_vector<double>(), big_now = big.to_vector<double>();
+  const auto unchanged = [&] {
+    CHECK(w.to_vector<double>() == w_now);
+    CHECK(big.to_vector<double>() == big_now);
+    const tg::StateDict again = opt.state_dict();
+    CHECK(again.size() == state.size());
+    for (const auto& [k, t] : state) CHECK(again.at(k).to_vector<double>() == t.to_vector<double>());
+  };
+  // A parameter added, replaced, or a group added: its state would be another's (big would take
+  // b's 4-element moments and the update would run past them).
+  opt.param_groups()[0].params.push_back(big);
+  REQUIRE_TG_ERROR(opt.step(), "AdamW: group 0 of param_groups() holds 3 parameters where the optimizer was made with 2",
+                   "make a new optimizer");
+  REQUIRE_TG_ERROR(opt.clip_and_step(1.0), "AdamW: group 0 of param_groups() holds 3 parameters");
+  REQUIRE_TG_ERROR(opt.state_dict(), "holds 3 parameters");
+  REQUIRE_TG_ERROR(opt.load_state_dict(state), "holds 3 parameters");
+  opt.param_groups()[0].params.pop_back();
+  opt.param_groups()[0].params[1] = big;
+  REQUIRE_TG_ERROR(opt.step(), "AdamW: parameter 1 of group 0 (float64 (64,)) is not the one the optimizer was made with "
+                               "(float64 (4,))");
+  opt.param_groups()[0].params[1] = b;
+  opt.param_groups().push_back({{big}, 0.1, 0.0});
+  REQUIRE_TG_ERROR(opt.step(), "AdamW: param_groups() holds 2 groups where the optimizer was made with 1");
+  opt.param_groups().pop_back();
+  // An lr or weight decay that is not valid, set through param_groups().
+  opt.param_groups()[0].lr = std::nan("");
+  REQUIRE_TG_ERROR(opt.step(), "AdamW: group 0: invalid learning rate: nan");
+  opt.param_groups()[0].lr = 0.05;
+  opt.param_groups()[0].weight_decay = INFINITY;
+  REQUIRE_TG_ERROR(opt.step(), "AdamW: group 0: invalid weight_decay value: inf");
+  opt.param_groups()[0].weight_decay = 0.0;
+  unchanged();
+  optim::SGD sgd({w}, 0.1, 0.9);
+  sgd.param_groups()[0].params.push_back(b);
+  REQUIRE_TG_ERROR(sgd.step(), "SGD: group 0 of param_groups() holds 2 parameters");
+  REQUIRE_TG_ERROR(sgd.clip_and_step(1.0), "SGD: group 0 of param_groups() holds 2 parameters");
+  unchanged();
+  // Put back as they were made, the groups step again.
+  sgd.param_groups()[0].params.pop_back();
+  sgd.step();
+  opt.step();
+}
+
 namespace {
 
 // Two identical runs of `run_name` take 3 steps; on the second, load(bad) must throw and change

@@ -43,6 +43,11 @@ class Optimizer {
   // read-and-write pass over the gradients; other optimizers scale, then step. max_norm > 0.
   // Returns the total norm before clipping.
   virtual double clip_and_step(double max_norm);
+  // The groups, for their hyperparameters to change (lr, weight_decay), as PyTorch's param_groups.
+  // The parameters must stay the ones the optimizer was made with (their state is kept by
+  // position): step(), clip_and_step(), state_dict() and load_state_dict() refuse groups whose
+  // parameters were added, removed or replaced, or whose lr or weight_decay is not valid, with a
+  // tg::Error saying which, before anything changes. Other parameters need a new optimizer.
   std::vector<ParamGroup>& param_groups() { return groups_; }
   const std::vector<ParamGroup>& param_groups() const { return groups_; }
   // Sets the learning rate of every group (what a schedule drives).
@@ -69,10 +74,19 @@ class Optimizer {
   void check_lr(double lr) const;
   // Every parameter, group by group, in order (the order of clip_and_step's norm).
   std::vector<Tensor> all_params() const;
+  // Refuses groups changed through param_groups() in a way the state cannot follow (above).
+  void check_groups() const;
 
  private:
   std::string name_;
   std::vector<ParamGroup> groups_;
+  // What each group's parameters were when the optimizer was made: memory, dtype and shape.
+  struct Made {
+    const void* data;
+    DType dtype;
+    Shape shape;
+  };
+  std::vector<std::vector<Made>> made_;
   // state_[i]: name -> tensor, in creation order
   std::vector<std::vector<std::pair<std::string, Tensor>>> state_;
 };
