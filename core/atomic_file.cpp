@@ -2,6 +2,7 @@
 #include "atomic_file.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -36,10 +37,20 @@ void write_all(int fd, const char* p, std::size_t n, const std::string& ctx) {
 }
 
 void write_atomically(const std::string& path, const std::string& ctx, const std::function<void(int fd)>& body) {
-  const std::string tmp = atomic_temp_name(path);
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  // A name taken (a file a killed process of the same pid left) moves on to the next count.
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; fd < 0 && attempt < 1000; ++attempt) {
+    tmp = atomic_temp_name(path);
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0 && errno != EEXIST) break;
+  }
   if (fd < 0) fail(ctx.c_str(), "cannot create '", tmp, "': ", errno_text(errno));
   try {
+    // A file replaced keeps its permission bits (a private 0600 file stays private).
+    struct stat st;
+    if (::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::fchmod(fd, st.st_mode & 07777) != 0)
+      fail(ctx.c_str(), "cannot give '", tmp, "' the mode of the file it replaces: ", errno_text(errno));
     body(fd);
     if (::fsync(fd) != 0) fail(ctx.c_str(), "fsync of '", tmp, "' failed: ", errno_text(errno));
     const int f = fd;

@@ -14,9 +14,11 @@ std::string atomic_temp_name(const std::string& path);
 
 // Writes path through atomic_temp_name(path): body(fd) writes the bytes, then the file is
 // fsync'ed, closed, renamed over path, and path's directory fsync'ed (best effort: a directory
-// that cannot be opened is skipped), so the rename survives a power cut. The file is created with
-// mode 0644 less the umask, exclusively (O_EXCL). On any failure, body's tg::Error included, the
-// temporary file is removed and path is left as it was. Errors are tg::Error "<ctx>: ...".
+// that cannot be opened is skipped), so the rename survives a power cut. The file is created
+// exclusively (O_EXCL; a name taken moves on to the next count), with mode 0644 less the umask,
+// or the permission bits of the regular file it replaces. On any failure, body's tg::Error
+// included, the temporary file is removed and path is left as it was; a process killed mid-write
+// leaves it. Errors are tg::Error "<ctx>: ...".
 void write_atomically(const std::string& path, const std::string& ctx, const std::function<void(int fd)>& body);
 
 // All n bytes at p to fd, through EINTR and short writes; a tg::Error "<ctx>: write failed: ..."

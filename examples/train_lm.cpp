@@ -291,8 +291,11 @@ bool nothing_to_do(const lm::TrainConfig& r, const tg::Metadata& meta) {
   tg::Metadata model;
   try {
     tg::load_safetensors((dir / "model.safetensors").string(), &model);
+    // The model file names the corpus by its file name (lm::model_config_json); one written by an
+    // earlier version holds the checkpoint's configuration as it is.
     return static_cast<std::int64_t>(lm::meta_u64(meta, "step", "checkpoint")) >= r.steps &&
-           model["config"] == meta.at("config");
+           (model["config"] == lm::model_config_json(lm::parse_config_json(meta.at("config"), "checkpoint")) ||
+            model["config"] == meta.at("config"));
   } catch (const tg::Error&) {
     return false;  // the resume itself reports what is wrong
   }

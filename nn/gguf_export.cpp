@@ -228,6 +228,9 @@ GGUFFile to_gguf(const GPT& model, const GGUFVocab& vocab, const GGUFExportOptio
     fail("to_gguf", "the tokenizer model must be \"llama\" (characters) or \"gpt2\" (BPE), got \"", vocab.model, "\"");
   if (static_cast<std::int64_t>(vocab.tokens.size()) != c.vocab_size)
     fail("to_gguf", "the vocabulary has ", vocab.tokens.size(), " tokens but the model ", c.vocab_size);
+  if (c.block_size > kGGUFMaxContext)  // a file load_gguf_model would refuse
+    fail("to_gguf", "block_size ", c.block_size, " is past the context length a GGUF model may hold here, ",
+         kGGUFMaxContext);
   GGUFFile f;
   f.metadata = model_metadata(c, options);
   if (vocab.is_bpe())

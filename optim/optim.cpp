@@ -181,7 +181,7 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, std::string name, double de
     }
     n += pg.params.size();
     made_.emplace_back();
-    for (const Tensor& p : pg.params) made_.back().push_back({p.raw_data(), p.dtype(), p.shape()});
+    for (const Tensor& p : pg.params) made_.back().push_back({p, p.raw_data(), p.dtype(), p.shape()});
   }
   if (n == 0) fail(name_.c_str(), "got an empty parameter list");
   state_.resize(n);
@@ -199,7 +199,8 @@ void Optimizer::check_groups() const {
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const ParamGroup& pg = groups_[g];
     if (!(pg.lr >= 0) || !std::isfinite(pg.lr)) fail(me, "group ", g, ": invalid learning rate: ", pg.lr);
-    if (!std::isfinite(pg.weight_decay)) fail(me, "group ", g, ": invalid weight_decay value: ", pg.weight_decay);
+    if (!(pg.weight_decay >= 0) || !std::isfinite(pg.weight_decay))
+      fail(me, "group ", g, ": invalid weight_decay value: ", pg.weight_decay);
     if (pg.params.size() != made_[g].size())
       fail(me, "group ", g, " of param_groups() holds ", pg.params.size(), " parameters where the optimizer was made with ",
            made_[g].size(), "; its state follows the parameters it was made with: make a new optimizer for others");

@@ -88,6 +88,12 @@ const std::string& meta_value(const Metadata& meta, const std::string& key, cons
 
 std::string config_json(const TrainConfig& c) { return config_to_json(c).dump(); }
 
+std::string model_config_json(const TrainConfig& c) {
+  TrainConfig shown = c;
+  shown.data = fs::path(c.data).filename().string();
+  return config_json(shown);
+}
+
 StateDict export_state_dict(const nn::GPT& model) {
   StateDict out;
   const bool tied = !model.head;

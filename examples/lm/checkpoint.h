@@ -56,9 +56,13 @@ std::optional<std::int32_t> recorded_first_token(const tg::Metadata& meta, const
 // the first of a shared tensor's names in sorted order: head.weight before wte.weight).
 tg::StateDict export_state_dict(const tg::nn::GPT& model);
 
-// The configuration as JSON text (what the "config" metadata entry and model.safetensors hold),
-// and back (a tg::Error naming `file` when the text is not a configuration).
+// The configuration as JSON text (what a checkpoint's "config" metadata entry holds), and back (a
+// tg::Error naming `file` when the text is not a configuration).
 std::string config_json(const TrainConfig& c);
+// The configuration as model.safetensors holds it: the corpus by its file name alone. The
+// checkpoint, which a resume reads, keeps the whole path; the file a user shares has no use for it
+// and would give it away.
+std::string model_config_json(const TrainConfig& c);
 TrainConfig parse_config_json(const std::string& text, const std::string& file);
 
 // Metadata values, parsed strictly: a missing or damaged value is a tg::Error naming the key.

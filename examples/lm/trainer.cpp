@@ -389,14 +389,15 @@ void Trainer::sample() {
   // The first line names the weights the text was drawn from: a resume that does not sample
   // leaves the file as it is, and it still says which step it shows.
   std::ostringstream head;
-  head << "step " << step_ << " (temperature " << cfg_.temperature << ", top-k " << cfg_.top_k << ")\n";
+  head << "step " << step_ << " (temperature " << cfg_.temperature << ", top-k "
+       << (cfg_.top_k > 0 ? std::to_string(cfg_.top_k) : std::string("0: all")) << ")\n";
   write_if_changed((fs::path(cfg_.out) / "samples.txt").string(), head.str() + r_.sample_text + "\n");
 }
 
 void Trainer::save_model() {
   if (cfg_.out.empty()) return;
   const Metadata meta{{"format", kModelFormat},
-                      {"config", config_json(cfg_)},
+                      {"config", model_config_json(cfg_)},
                       {"vocab", corpus_.vocab_utf8()},
                       {"tokenizer", corpus_.bpe ? "tokenizer.json" : "char"}};
   r_.model_written = write_if_changed((fs::path(cfg_.out) / "model.safetensors").string(),

@@ -217,11 +217,15 @@ TEST_CASE("save_gguf writes atomically and leaves nothing behind when it refuses
   REQUIRE_TG_ERROR(save_gguf(tmp.path("no/such/dir/m.gguf"), sample_tensors(), {}), "save_gguf: ", "cannot create", ".tmp");
   REQUIRE_TG_ERROR(load_gguf(tmp.path("missing.gguf")), "load_gguf: ", "cannot open");
   REQUIRE_TG_ERROR(load_gguf(tmp.dir.string()), "not a regular file");
-  // The file takes 0644 less the umask, as save_safetensors' do.
+  // A new file takes 0644 less the umask; one replaced keeps its permission bits.
   const mode_t old_mask = ::umask(077);
+  const std::string fresh = tmp.path("fresh.gguf");
+  save_gguf(fresh, sample_tensors(), sample_metadata());
   save_gguf(path, sample_tensors(), sample_metadata());
   ::umask(old_mask);
-  CHECK((fs::status(path).permissions() & fs::perms::all) == (fs::perms::owner_read | fs::perms::owner_write));
+  const auto rw = fs::perms::owner_read | fs::perms::owner_write;
+  CHECK((fs::status(fresh).permissions() & fs::perms::all) == rw);
+  CHECK((fs::status(path).permissions() & fs::perms::all) == (rw | fs::perms::group_read | fs::perms::others_read));
 }
 
 TEST_CASE("the writer refuses what ggml cannot read", "[gguf]") {

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "atomic_file.h"
 #include "helpers.h"
 #include "temp_dir.h"
 
@@ -391,6 +392,30 @@ TEST_CASE("save_safetensors is atomic and cleans up after failures", "[io]") {
     const std::string bytes = read_bytes(path);
     CHECK((bytes == to_safetensors_bytes(big[0]) || bytes == to_safetensors_bytes(big[1])));
     CHECK(names() == std::vector<std::string>{"model.safetensors"});
+  }
+  SECTION("a file replaced keeps its permission bits") {
+    const std::string path = tmp.path("private.safetensors");
+    write_bytes(path, "old");
+    fs::permissions(path, fs::perms::owner_read | fs::perms::owner_write);
+    save_safetensors(path, sd);
+    CHECK(fs::status(path).permissions() == (fs::perms::owner_read | fs::perms::owner_write));
+    CHECK(read_bytes(path) == to_safetensors_bytes(sd));
+  }
+  SECTION("temporary names that a killed process of the same pid left are passed over, and kept") {
+    const std::string path = tmp.path("model.safetensors");
+    // The next names this process would take: "<path>.<pid>.<n>.tmp" for the counts after this one.
+    const std::string one = tg::detail::atomic_temp_name(path);
+    const std::string stem = one.substr(0, one.rfind('.', one.size() - 5) + 1);
+    const long n = std::stol(one.substr(stem.size()));
+    std::vector<std::string> left;
+    for (long k = n + 1; k <= n + 5; ++k) {
+      left.push_back(stem + std::to_string(k) + ".tmp");
+      write_bytes(left.back(), "a killed writer's");
+    }
+    save_safetensors(path, sd);
+    CHECK(read_bytes(path) == to_safetensors_bytes(sd));
+    for (const std::string& f : left) CHECK(read_bytes(f) == "a killed writer's");
+    CHECK(names().size() == 6);
   }
   SECTION("write_file_atomic writes any bytes the same way") {
     const std::string path = tmp.path("notes.txt");

@@ -352,6 +352,13 @@ TEST_CASE("a crafted model file's context_length past the limit is refused befor
   fs::remove(path);
 }
 
+TEST_CASE("a model whose context is past the GGUF limit is refused at export, not written to fail its load", "[gguf]") {
+  nn::GPTConfig c = tiny_llama();
+  c.block_size = nn::kGGUFMaxContext + 1;  // head size 4: RoPE tables of 2 x 2^20 x 4 floats, 32 MiB
+  nn::GPT m(c);
+  REQUIRE_TG_ERROR(nn::to_gguf(m, kVocab), "to_gguf", "block_size 1048577", "1048576");
+}
+
 TEST_CASE("a gpt model's model.safetensors (tied head stored as head.weight) loads through load_state_dict", "[gguf]") {
   manual_seed(5);
   nn::GPTConfig c = tiny_llama();

@@ -582,6 +582,8 @@ TEST_CASE("param_groups() changes its hyperparameters, and a changed parameter l
   opt.param_groups()[0].lr = 0.05;
   opt.param_groups()[0].weight_decay = INFINITY;
   REQUIRE_TG_ERROR(opt.step(), "AdamW: group 0: invalid weight_decay value: inf");
+  opt.param_groups()[0].weight_decay = -1;  // the constructors' "default" means nothing here
+  REQUIRE_TG_ERROR(opt.step(), "AdamW: group 0: invalid weight_decay value: -1");
   opt.param_groups()[0].weight_decay = 0.0;
   unchanged();
   optim::SGD sgd({w}, 0.1, 0.9);
@@ -589,9 +591,15 @@ TEST_CASE("param_groups() changes its hyperparameters, and a changed parameter l
   REQUIRE_TG_ERROR(sgd.step(), "SGD: group 0 of param_groups() holds 2 parameters");
   REQUIRE_TG_ERROR(sgd.clip_and_step(1.0), "SGD: group 0 of param_groups() holds 2 parameters");
   unchanged();
-  // Put back as they were made, the groups step again.
+  // Put back as they were made, the groups step again, at the lr set through param_groups().
   sgd.param_groups()[0].params.pop_back();
+  sgd.param_groups()[0].lr = 0.0;
   sgd.step();
+  CHECK(w.to_vector<double>() == w_now);
+  sgd.param_groups()[0].lr = 0.25;
+  sgd.step();  // its second step: buf = 0.9 * 1 + 1 (the gradient, 1), w -= 0.25 buf
+  const std::vector<double> w_after = w.to_vector<double>();
+  for (std::size_t k = 0; k < w_after.size(); ++k) CHECK(w_after[k] == w_now[k] - 0.25 * (0.9 * 1.0 + 1.0));
   opt.step();
 }
 

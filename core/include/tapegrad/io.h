@@ -38,17 +38,20 @@ class StateDict {
 
 using Metadata = std::map<std::string, std::string>;
 
-// Writes atomically: to a temporary file of its own beside path ("<path>.<pid>.<n>.tmp", mode 0644
-// less the umask), fsync'ed, then renamed over path, and the directory fsync'ed. A crash never
-// leaves a half-written file under the final name, a failure leaves path as it was, and two saves
-// of one path at once each rename a whole file (the last one wins). Throws tg::Error on any I/O
-// failure, naming the path.
+// Writes atomically: to a temporary file of its own beside path ("<path>.<pid>.<n>.tmp"), fsync'ed,
+// then renamed over path, and the directory fsync'ed. A crash never leaves a half-written file
+// under the final name (a process killed mid-write leaves its temporary file), a failure leaves
+// path as it was, and two saves of one path at once each rename a whole file (the last one wins).
+// The file is a new one (PyTorch's torch.save writes into an existing file): it takes the
+// permission bits of the regular file it replaces, else 0644 less the umask; a symbolic link at
+// path is replaced, not followed, and a hard link's other names keep the old file. Throws
+// tg::Error on any I/O failure, naming the path.
 void save_safetensors(const std::string& path, const StateDict& tensors, const Metadata& metadata = {});
+// Same bytes, in memory.
+std::string to_safetensors_bytes(const StateDict& tensors, const Metadata& metadata = {});
 
 // Any bytes to path, written as save_safetensors writes its file: whole or not at all.
 void write_file_atomic(const std::string& path, const std::string& bytes);
-// Same bytes, in memory.
-std::string to_safetensors_bytes(const StateDict& tensors, const Metadata& metadata = {});
 
 // Reads and validates every field before allocating: header length within the limit and the
 // file, JSON well formed, known dtypes, non-negative shapes whose byte count matches the offsets

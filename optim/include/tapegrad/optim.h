@@ -11,8 +11,9 @@
 
 namespace tg::optim {
 
-// A set of parameters sharing hyperparameters (PyTorch's param_groups entries). A negative
-// weight_decay means "the optimizer's default". A parameter (a tensor's memory: copies of one
+// A set of parameters sharing hyperparameters (PyTorch's param_groups entries). A negative lr or
+// weight_decay given to a constructor means "the optimizer's default"; set later through
+// param_groups(), it is refused at the next step. A parameter (a tensor's memory: copies of one
 // Tensor handle are one parameter) appears once across all groups: the constructors throw
 // tg::Error naming both places of a repeat (PyTorch warns within a group, raises across groups).
 struct ParamGroup {
@@ -80,8 +81,10 @@ class Optimizer {
  private:
   std::string name_;
   std::vector<ParamGroup> groups_;
-  // What each group's parameters were when the optimizer was made: memory, dtype and shape.
+  // What each group's parameters were when the optimizer was made: memory, dtype and shape. The
+  // handle keeps that memory alive, so that no other tensor can take its address.
   struct Made {
+    Tensor held;
     const void* data;
     DType dtype;
     Shape shape;
