@@ -330,19 +330,18 @@ std::string make_header(const StateDict& tensors, const GGUFMetadata& md, std::u
   return out;
 }
 
-// Calls sink(ptr, n) with the data block: each tensor little-endian, zero padding after it.
+// Calls sink(ptr, n) with the data block: each tensor little-endian, then its zero padding in one
+// piece (a padding is below the alignment, at most kGGUFMaxAlignment bytes).
 template <class Sink>
 void emit_data(const StateDict& tensors, const std::vector<std::uint64_t>& offsets, Sink&& sink) {
-  const std::string zeros(64, '\0');
+  std::vector<std::uint64_t> pads;
+  for (const auto& [name, t] : tensors) pads.push_back(offsets[pads.size() + 1] - offsets[pads.size()] - t.nbytes());
+  const std::string zeros(static_cast<std::size_t>(pads.empty() ? 0 : *std::max_element(pads.begin(), pads.end())), '\0');
   std::size_t i = 0;
   for (const auto& [name, t] : tensors) {
     (void)name;
     if (t.nbytes()) sink(static_cast<const char*>(t.raw_data()), t.nbytes());
-    for (std::uint64_t pad = offsets[i + 1] - offsets[i] - t.nbytes(); pad > 0;) {
-      const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(pad, zeros.size()));
-      sink(zeros.data(), n);
-      pad -= n;
-    }
+    if (pads[i]) sink(zeros.data(), static_cast<std::size_t>(pads[i]));
     ++i;
   }
 }

@@ -308,8 +308,10 @@ std::vector<lm::RunResult> resume_run(const lm::TrainConfig& r, const tg::Metada
   lm::on_rank0([&] { lock = lm::RunLock(r.out); });
   // Runs of earlier versions may record a relative path: it is read from this working directory.
   if (!fs::path(r.data).is_absolute())
-    std::cerr << "note: the run names its corpus by a relative path; reading it from this working directory: "
-              << lm::shown_path(r.data) << "\n";
+    lm::on_rank0([&] {
+      std::cerr << "note: the run names its corpus by a relative path; reading it from this working directory: "
+                << lm::shown_path(r.data) << "\n";
+    });
   std::error_code ec;
   if (!fs::exists(r.data, ec))
     tg::fail("resume", "the run's corpus ", lm::shown_path(r.data),
