@@ -164,8 +164,7 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, std::string name, double de
     ParamGroup& pg = groups_[g];
     if (pg.lr < 0) pg.lr = default_lr;
     if (pg.weight_decay < 0) pg.weight_decay = default_wd;
-    check_lr(pg.lr);
-    if (!std::isfinite(pg.weight_decay)) fail(name_.c_str(), "invalid weight_decay value: ", pg.weight_decay);
+    if (const std::string why = hyperparameter_error(pg); !why.empty()) fail(name_.c_str(), why);
     for (std::size_t k = 0; k < pg.params.size(); ++k) {
       const Tensor& p = pg.params[k];
       // The message says what the parameter is (PyTorch 1.13: "can't optimize a non-leaf Tensor").
@@ -180,8 +179,7 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, std::string name, double de
              " again (the same memory); list each parameter once, or a step updates it twice");
     }
     n += pg.params.size();
-    made_.emplace_back();
-    for (const Tensor& p : pg.params) made_.back().push_back({p, p.raw_data(), p.dtype(), p.shape()});
+    made_.push_back(pg.params);
   }
   if (n == 0) fail(name_.c_str(), "got an empty parameter list");
   state_.resize(n);
@@ -191,6 +189,13 @@ void Optimizer::check_lr(double lr) const {
   if (!(lr >= 0) || !std::isfinite(lr)) fail(name_.c_str(), "invalid learning rate: ", lr);
 }
 
+std::string Optimizer::hyperparameter_error(const ParamGroup& g) {
+  std::ostringstream s;
+  if (!(g.lr >= 0) || !std::isfinite(g.lr)) s << "invalid learning rate: " << g.lr;
+  else if (!(g.weight_decay >= 0) || !std::isfinite(g.weight_decay)) s << "invalid weight_decay value: " << g.weight_decay;
+  return s.str();
+}
+
 void Optimizer::check_groups() const {
   const char* me = name_.c_str();
   if (groups_.size() != made_.size())
@@ -198,19 +203,16 @@ void Optimizer::check_groups() const {
          "; its state follows the parameters it was made with: make a new optimizer for others");
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const ParamGroup& pg = groups_[g];
-    if (!(pg.lr >= 0) || !std::isfinite(pg.lr)) fail(me, "group ", g, ": invalid learning rate: ", pg.lr);
-    if (!(pg.weight_decay >= 0) || !std::isfinite(pg.weight_decay))
-      fail(me, "group ", g, ": invalid weight_decay value: ", pg.weight_decay);
+    if (const std::string why = hyperparameter_error(pg); !why.empty()) fail(me, "group ", g, ": ", why);
     if (pg.params.size() != made_[g].size())
       fail(me, "group ", g, " of param_groups() holds ", pg.params.size(), " parameters where the optimizer was made with ",
            made_[g].size(), "; its state follows the parameters it was made with: make a new optimizer for others");
     for (std::size_t k = 0; k < pg.params.size(); ++k) {
-      const Tensor& p = pg.params[k];
-      const Made& m = made_[g][k];
-      if (!p.defined() || p.raw_data() != m.data || p.dtype() != m.dtype || p.shape() != m.shape)
+      const Tensor &p = pg.params[k], &m = made_[g][k];
+      if (!p.defined() || p.raw_data() != m.raw_data() || p.dtype() != m.dtype() || p.shape() != m.shape())
         fail(me, "parameter ", k, " of group ", g, " (",
              p.defined() ? std::string(dtype_name(p.dtype())) + " " + p.shape().str() : "undefined",
-             ") is not the one the optimizer was made with (", dtype_name(m.dtype), ' ', m.shape,
+             ") is not the one the optimizer was made with (", m.dtype(), ' ', m.shape(),
              "); its state follows the parameters it was made with: make a new optimizer for others");
     }
   }
@@ -532,8 +534,7 @@ bool disjoint(const std::vector<AdamJob>& jobs) {
 void Adam::step() { update(1); }
 
 double Adam::clip_and_step(double max_norm) {
-  check_max_norm(name() + ".clip_and_step", max_norm);
-  check_groups();
+  check_max_norm(name() + ".clip_and_step", max_norm);  // the groups are checked by update(), first
   const double total = grad_norm(all_params());
   if (std::isfinite(total)) update(max_norm / (total + 1e-6));
   return total;

@@ -73,6 +73,8 @@ class Optimizer {
   // Calls f(group, param index, param) for every parameter that has a gradient.
   template <class F> void for_each_param_with_grad(F&& f);
   void check_lr(double lr) const;
+  // Why a group's lr or weight_decay is not valid (not finite, or below 0), or "" when both are.
+  static std::string hyperparameter_error(const ParamGroup& g);
   // Every parameter, group by group, in order (the order of clip_and_step's norm).
   std::vector<Tensor> all_params() const;
   // Refuses groups changed through param_groups() in a way the state cannot follow (above).
@@ -81,15 +83,9 @@ class Optimizer {
  private:
   std::string name_;
   std::vector<ParamGroup> groups_;
-  // What each group's parameters were when the optimizer was made: memory, dtype and shape. The
-  // handle keeps that memory alive, so that no other tensor can take its address.
-  struct Made {
-    Tensor held;
-    const void* data;
-    DType dtype;
-    Shape shape;
-  };
-  std::vector<std::vector<Made>> made_;
+  // Each group's parameters as the optimizer was made with them. The handles keep their memory
+  // alive, so that no other tensor can take its address.
+  std::vector<std::vector<Tensor>> made_;
   // state_[i]: name -> tensor, in creation order
   std::vector<std::vector<std::pair<std::string, Tensor>>> state_;
 };
