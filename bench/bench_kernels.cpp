@@ -26,7 +26,9 @@
 //                                them). FLOPS is 2 * M * N * K per second; divide by the cores' FMA
 //                                peak (AVX-512: 2 pipes x 16 floats x 2 flops x clock) for the fraction.
 //                                bf16 is the same products through kernels::gemm_bf16 (float32 operands
-//                                rounded while packed, float32 sums), where the CPU has AVX512_BF16.
+//                                rounded while packed, float32 sums), where the CPU has AVX512_BF16;
+//                                avx2_bf16 and avx512_bf16fma are gemm_bf16 on float32 fused
+//                                multiply-adds at those levels (sgemm_bf16.h), on every CPU that has them.
 //                                large_*: the same twelve products at the GPT-2-small shape (n_embd 768).
 //                                blocks_*: a resident block, and C of 2048 x 3072 with K = 256 and 768.
 //   peak/<kind>                  the team's multiply-add peak: fma_avx2, fma_avx512, dpbf16, amx_bf16 (peak.cpp);
@@ -253,7 +255,7 @@ struct ProductCase {
   bool ta, tb;
   i64 M, N, K;
 };
-void bm_gemm_isa(benchmark::State& state, ProductCase c, tg::kernels::Isa level) {
+void bm_gemm_isa(benchmark::State& state, ProductCase c, tg::kernels::Isa level, bool bf16) {
   tg::manual_seed(4321);
   const tg::Tensor a = tg::randn(c.ta ? tg::Shape{c.K, c.M} : tg::Shape{c.M, c.K});
   const tg::Tensor b = tg::randn(c.tb ? tg::Shape{c.N, c.K} : tg::Shape{c.K, c.N});
@@ -261,7 +263,7 @@ void bm_gemm_isa(benchmark::State& state, ProductCase c, tg::kernels::Isa level)
   const tg::kernels::Isa before = tg::kernels::isa();
   tg::kernels::set_isa(level);
   for (auto _ : state) {
-    if (level >= tg::kernels::Isa::avx512_bf16)
+    if (bf16)
       tg::kernels::gemm_bf16(c.ta, c.tb, c.M, c.N, c.K, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1),
                              0.0f, out.data(), c.N);
     else
@@ -476,11 +478,17 @@ void register_medium_products() {
       {"blocks_k768", false, false, 2048, 3072, 768},
   };
   using tg::kernels::Isa;
-  for (Isa level : {Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx_bf16})
+  const std::tuple<Isa, bool, const char*> levels[] = {{Isa::avx2, false, "avx2"},
+                                                       {Isa::avx512, false, "avx512"},
+                                                       {Isa::avx2, true, "avx2_bf16"},
+                                                       {Isa::avx512, true, "avx512_bf16fma"},
+                                                       {Isa::avx512_bf16, true, "avx512_bf16"},
+                                                       {Isa::amx_bf16, true, "amx_bf16"}};
+  for (auto [level, bf16, name] : levels)
     if (tg::kernels::cpu_supports(level))
       for (const ProductCase& c : medium)
-        benchmark::RegisterBenchmark(
-            ("gemm_isa/" + std::string(c.name) + "/" + tg::kernels::isa_name(level)).c_str(), bm_gemm_isa, c, level)
+        benchmark::RegisterBenchmark(("gemm_isa/" + std::string(c.name) + "/" + name).c_str(), bm_gemm_isa, c, level,
+                                     bf16)
             ->UseRealTime()->MinTime(0.1)->Unit(benchmark::kMicrosecond);
   const std::pair<bench::PeakKind, Isa> peaks[] = {{bench::PeakKind::fma_avx2, Isa::avx2},
                                                    {bench::PeakKind::fma_avx512, Isa::avx512},

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -240,6 +241,119 @@ void kernel_emulated(i64 pairs, const u32* A, i64 row, i64 step, const u32* Bp, 
 }
 #endif
 
+// ---- The fused multiply-add kernels: vdpbf16ps's arithmetic at full speed without AVX512_BF16 ----
+//
+// A pair's two bf16 are exact in float32 (the word's high half with a zero low half, and the low
+// half shifted up), and vdpbf16ps's step, acc = ftz(acc + a b) rounded to nearest even, is one
+// float32 fused multiply-add with the MXCSR's flush-to-zero on: x86 flushes a result that is tiny
+// after rounding, as vdpbf16ps does (Intel SDM vol. 1, 11.5.2.3 and VDPBF16PS), and a tiny
+// result never reaches the next step, so no input is subnormal either. Subnormal operands are
+// made zeros of their sign when the pairs are split (below). So the operands are split once into
+// float32 (A's 6-row panels, B's 64-column panels: per pair the odd k's values, then the even
+// k's), and a float32 register tile runs with flush-to-zero on: every step the bits of the
+// emulation above, at the float32 product's rate.
+
+// A word's two halves as float32: the odd k's value (the high half) and the even k's (the low
+// half), each a zero of its sign when subnormal, as vdpbf16ps reads them.
+inline u32 daz_bits(u32 x) { return (x & 0x7F800000u) ? x : (x & 0x80000000u); }
+inline u32 odd_half(u32 w) { return daz_bits(w & 0xFFFF0000u); }
+inline u32 even_half(u32 w) { return daz_bits(w << 16); }
+
+// A block's packed words (pack_a_rows' bf16 rows, `pairs` words apart, or pack_a_trans's 6-row
+// panels) as 6-row panels of floats: Af[((q * pairs + p) * 6 + i) * 2 + h] is row 6q + i's pair p,
+// h = 0 the odd k, h = 1 the even k. mcp, a multiple of 6, rows (the packers zero the rows past mc).
+void split_a(const u32* Aw, bool ta, i64 mcp, i64 pairs, u32* Af) {
+  for (i64 q = 0; q < mcp / kMR; ++q)
+    for (i64 p = 0; p < pairs; ++p) {
+      u32* d = Af + (q * pairs + p) * 2 * kMR;
+      for (i64 i = 0; i < kMR; ++i) {
+        const u32 w = ta ? Aw[(q * pairs + p) * kMR + i] : Aw[(q * kMR + i) * pairs + p];
+        d[2 * i] = odd_half(w);
+        d[2 * i + 1] = even_half(w);
+      }
+    }
+}
+
+// A panel of pair words, pairs x 64 at W, as floats at D: pair p's 64 odd-k values at
+// D[128 p], then its 64 even-k values. W may be D + 64 pairs (the split then runs in place: pair
+// p's words are read before its 128 floats are written, and pair p + 1's words lie past them).
+void split_b(const u32* W, i64 pairs, u32* D) {
+  for (i64 p = 0; p < pairs; ++p) {
+    alignas(64) u32 w[kNR];
+    std::memcpy(w, W + p * kNR, sizeof w);
+    for (int j = 0; j < kNR; ++j) D[p * 2 * kNR + j] = odd_half(w[j]);
+    for (int j = 0; j < kNR; ++j) D[p * 2 * kNR + kNR + j] = even_half(w[j]);
+  }
+}
+
+// The MXCSR with flush-to-zero on and rounding to nearest even, whatever the caller's rounding
+// mode: vdpbf16ps ignores the MXCSR and always rounds so (bits 13-14 the rounding control, bit 15
+// flush-to-zero).
+inline unsigned ftz_csr(unsigned csr) { return (csr & ~0x6000u) | 0x8000u; }
+
+// The tile's sums, acc (6 x 64, row stride 64) = sum over `pairs` pairs of the two multiply-adds,
+// the odd k first, from split panels: A's 12 floats per pair, B's 128. Called with flush-to-zero
+// on (ftz_csr); never inlined, so no operation of its own moves outside that setting. The
+// AVX-512F version holds the tile in 24 zmm; the AVX2 one in 12 ymm, 16 columns at a time.
+#ifdef TG_BF16_X86
+[[gnu::noinline, gnu::target("avx512f")]] void tile_fma512(i64 pairs, const float* A, const float* B, float* acc) {
+  __m512 c[kMR][4];
+#pragma GCC unroll 6
+  for (int i = 0; i < kMR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) c[i][j] = _mm512_setzero_ps();
+  for (i64 p = 0; p < pairs; ++p) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m512 b[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) b[j] = _mm512_load_ps(B + h * kNR + 16 * j);
+#pragma GCC unroll 6
+      for (int i = 0; i < kMR; ++i) {
+        const __m512 a = _mm512_set1_ps(A[2 * i + h]);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) c[i][j] = _mm512_fmadd_ps(a, b[j], c[i][j]);
+      }
+    }
+    A += 2 * kMR;
+    B += 2 * kNR;
+  }
+#pragma GCC unroll 6
+  for (int i = 0; i < kMR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) _mm512_store_ps(acc + i * kNR + 16 * j, c[i][j]);
+}
+
+[[gnu::noinline, gnu::target("avx2,fma")]] void tile_fma256(i64 pairs, const float* A, const float* B, float* acc) {
+  for (int j0 = 0; j0 < kNR; j0 += 16) {
+    __m256 c[kMR][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < kMR; ++i) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    const float* a = A;
+    const float* b = B + j0;
+    for (i64 p = 0; p < pairs; ++p) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256 b0 = _mm256_load_ps(b + h * kNR), b1 = _mm256_load_ps(b + h * kNR + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < kMR; ++i) {
+          const __m256 ai = _mm256_broadcast_ss(a + 2 * i + h);
+          c[i][0] = _mm256_fmadd_ps(ai, b0, c[i][0]);
+          c[i][1] = _mm256_fmadd_ps(ai, b1, c[i][1]);
+        }
+      }
+      a += 2 * kMR;
+      b += 2 * kNR;
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < kMR; ++i) {
+      _mm256_store_ps(acc + i * kNR + j0, c[i][0]);
+      _mm256_store_ps(acc + i * kNR + j0 + 8, c[i][1]);
+    }
+  }
+}
+#endif
+
 // ---- The native kernel: vdpbf16ps --------------------------------------------------------------
 
 #ifdef TG_BF16_X86
@@ -363,8 +477,8 @@ void pack_b_trans_native(const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32
 
 // ---- The AMX kernel: tdpbf16ps on tiles -----------------------------------------------------------
 
-// Which kernel a product runs: vdpbf16ps's arithmetic emulated, vdpbf16ps itself, or AMX's tiles.
-enum class Path { emulated, dpbf16, amx };
+// Which kernel a product runs (sgemm_bf16.h).
+using Path = bf16_impl::Path;
 
 constexpr i64 kAmxK = 32;   // k per row of an A tile: 32 bf16 = 64 bytes, 16 pairs of a B tile
 constexpr i64 kAmxM = 32;   // rows of C per kernel call: two tiles of 16 rows
@@ -539,9 +653,54 @@ void block_product_amx(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
 #endif
 }
 
+// The stores of a tile's sums, C = alpha acc (beta = 0) or fma(beta, C, alpha acc), as the
+// native kernel's: acc is 6 x 64, row stride 64.
+void store_tile(const float* acc, float* C, i64 ldc, float alpha, float beta, int mv, int nv) {
+  for (int i = 0; i < mv; ++i)
+    for (int j = 0; j < nv; ++j) store(acc[i * kNR + j], alpha, beta, C[i * ldc + j]);
+}
+
+// The fused multiply-add version: Ap has room for the block's packed words and their split
+// floats after them (Plan::a_bytes), and Bk's panels are split (Plan::pack_panel). Flush-to-zero
+// is on while a tile sums, and the caller's MXCSR back for the stores.
+void block_product_fma(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const u32* Bk, i64 pstride, i64 q0,
+                       i64 q1, float be, void* Ap) {
+#ifdef TG_BF16_X86
+  const i64 mc = r1 - r0, pairs = (kc + 1) / 2, mcp = round_up(mc, kMR);
+  auto* Aw = static_cast<u32*>(Ap);
+  if (g.ta) {
+    if (g.A.f) pack_a_trans(g.A.f, g.A.ld, r0, mc, pc, kc, Aw);
+    else pack_a_trans(g.A.h, g.A.ld, r0, mc, pc, kc, Aw);
+  } else {
+    pack_a_rows(g.A, r0, mc, pc, kc, reinterpret_cast<bf16*>(Aw), false);
+  }
+  u32* Af = Aw + mcp * pairs;
+  split_a(Aw, g.ta, mcp, pairs, Af);
+  const bool wide = isa() >= Isa::avx512;
+  const unsigned csr = _mm_getcsr(), ftz = ftz_csr(csr);
+  alignas(64) float acc[kMR * kNR];
+  for (i64 q = q0; q < q1; ++q) {
+    const int nv = static_cast<int>(std::min<i64>(kNR, g.N - q * kNR));
+    const auto* Bj = reinterpret_cast<const float*>(Bk + q * pstride);
+    for (i64 ir = 0; ir < mc; ir += kMR) {
+      const auto* At = reinterpret_cast<const float*>(Af + ir * 2 * pairs);
+      _mm_setcsr(ftz);
+      if (wide) tile_fma512(pairs, At, Bj, acc);
+      else tile_fma256(pairs, At, Bj, acc);
+      _mm_setcsr(csr);
+      store_tile(acc, g.C + (r0 + ir) * g.ldc + q * kNR, g.ldc, g.alpha, be,
+                 static_cast<int>(std::min<i64>(kMR, mc - ir)), nv);
+    }
+  }
+#else
+  (void)g, (void)r0, (void)r1, (void)pc, (void)kc, (void)Bk, (void)pstride, (void)q0, (void)q1, (void)be, (void)Ap;
+#endif
+}
+
 void block_product(const GemmBf16& g, Path path, i64 r0, i64 r1, i64 pc, i64 kc, const u32* Bk, i64 pstride,
                    i64 q0, i64 q1, float be, void* Ap) {
   if (path == Path::amx) return block_product_amx(g, r0, r1, pc, kc, Bk, pstride, q0, q1, be, Ap);
+  if (path == Path::fma) return block_product_fma(g, r0, r1, pc, kc, Bk, pstride, q0, q1, be, Ap);
   const bool native = path == Path::dpbf16;
   const i64 mc = r1 - r0, pairs = (kc + 1) / 2;
   if (g.ta) {
@@ -630,7 +789,7 @@ struct Plan {
     kcb = block(p.K, kKC, amx ? kAmxK : 2);
     nkb = (p.K + kcb - 1) / kcb;
     panels = (p.N + kNR - 1) / kNR;
-    pstride = kNR * (kcb / 2);
+    pstride = kNR * (kcb / 2) * (path == Path::fma ? 2 : 1);  // words; the fma path's panels are split
     // About four items a thread: blocks of whole units of rows (6, or 32 for AMX; at most kMC
     // rows), as many as a multiple of the team where there are enough, the units dealt out
     // evenly; then columns cut in runs of panels when there are too few row blocks. An epilogue
@@ -652,13 +811,20 @@ struct Plan {
   i64 units() const { return nkb * panels; }  // a unit of packing: one panel of one K block
   i64 b_bytes() const { return units() * pstride * 4; }
   // AMX with A^T: room for the block's k rows as bf16 too, after its packed rows (pack_a_amx).
+  // The fma path: room for the split floats too, after the words (block_product_fma).
   i64 a_bytes() const {
-    return round_up(rows, path == Path::amx ? kAmxM : kMR) * kcb * 2 * (path == Path::amx && g->ta ? 2 : 1);
+    return round_up(rows, path == Path::amx ? kAmxM : kMR) * kcb * 2 *
+           (path == Path::amx && g->ta ? 2 : path == Path::fma ? 3 : 1);
   }
   void pack(i64 u) const { pack_panel(u / panels, u % panels, Bp + u * pstride); }
   // Panel q of K block b; for AMX with zero pairs up to the block's last whole chunk of 32.
   void pack_panel(i64 b, i64 q, u32* d) const {
     const i64 pc = b * kcb, kc = std::min(kcb, g->K - pc), n0 = q * kNR;
+    const i64 pairs = (kc + 1) / 2;
+    if (path == Path::fma) {  // the words in the panel's second half, then split forward in place
+      pack_b_panel(g->tb, g->B, pc, kc, n0, std::min<i64>(kNR, g->N - n0), d + pairs * kNR, false);
+      return split_b(d + pairs * kNR, pairs, d);
+    }
     pack_b_panel(g->tb, g->B, pc, kc, n0, std::min<i64>(kNR, g->N - n0), d, path != Path::emulated);
     if (path == Path::amx) std::fill(d + (kc + 1) / 2 * kNR, d + round_up(kc, kAmxK) / 2 * kNR, u32{0});
   }
@@ -679,6 +845,7 @@ Path path_in_use() {
 #ifdef TG_BF16_X86
   if (isa() >= Isa::amx_bf16) return Path::amx;
   if (isa() >= Isa::avx512_bf16) return Path::dpbf16;
+  if (isa() >= Isa::avx2) return Path::fma;
 #endif
   return Path::emulated;
 }
@@ -778,8 +945,21 @@ void gemm_bf16_naive(const GemmBf16& g) {
     }
 }
 
-void bf16_impl::gemm_bf16_single(const GemmBf16& g, bool native) {
-  single(g, native && path_in_use() != Path::emulated ? Path::dpbf16 : Path::emulated);
+bool bf16_impl::path_allowed(Path path) {
+  switch (path) {
+    case Path::emulated: return true;
+#ifdef TG_BF16_X86
+    case Path::fma: return isa() >= Isa::avx2;
+    case Path::dpbf16: return isa() >= Isa::avx512_bf16;
+    case Path::amx: return isa() >= Isa::amx_bf16;
+#endif
+    default: return false;
+  }
+}
+
+void bf16_impl::gemm_bf16_single(const GemmBf16& g, Path path) {
+  if (!path_allowed(path)) throw std::logic_error("gemm_bf16_single: a path this CPU or isa() does not allow");
+  single(g, path);
 }
 
 }  // namespace tg::kernels

@@ -20,14 +20,16 @@
 // kc is padded with a zero pair half. The block's sum then goes to C as C = alpha acc + beta C
 // (the caller's beta for the first block, 1 after; beta = 0 a plain store of alpha acc).
 //
-// Two paths give those bits: vdpbf16ps where the CPU has AVX512_BF16 and isa() allows it
-// (kernels/isa.h), and an emulation everywhere else (float32 fused multiply-adds, vectorised for
-// AVX2 + FMA where the CPU has them, the flushes done by hand), an order of magnitude slower: a
-// path for tests and for CPUs without bf16, not a speed-up. Every element is computed by one
-// thread in that fixed order, so the bits do not depend on the number of threads either. NaN
-// payloads may differ between the paths (NaN stays NaN).
+// Three paths give those bits: vdpbf16ps where the CPU has AVX512_BF16 and isa() allows it
+// (kernels/isa.h); elsewhere, on AVX-512F or AVX2 + FMA, float32 fused multiply-adds on operands
+// split into float32 with the MXCSR's flush-to-zero on (each step of the sum is exactly one such
+// multiply-add: sgemm_bf16.cpp says why), at about the float32 product's rate; and a scalar
+// emulation (the flushes done by hand), an order of magnitude slower, the reference for tests and
+// the path of CPUs without AVX2. Every element is computed by one thread in that fixed order, so
+// the bits do not depend on the number of threads either. NaN payloads may differ between the
+// paths (NaN stays NaN).
 //
-// A third path, AMX's tiles (isa amx_bf16: Intel's tile unit, with tdpbf16ps), gives the same
+// A fourth path, AMX's tiles (isa amx_bf16: Intel's tile unit, with tdpbf16ps), gives the same
 // operands and blocks but sums in the tile unit's own order: per element, 16 pairs of a chunk of
 // 32 k at a time, as the hardware orders them within an instruction (Intel SDM, TDPBF16PS: inputs
 // read as zero when subnormal, results flushed, round to nearest even). Its bits may differ from
@@ -96,9 +98,15 @@ void gemm_bf16_pair(const GemmBf16& p, const GemmBf16& q);
 void gemm_bf16_naive(const GemmBf16& g);
 
 namespace bf16_impl {
-// The product on the calling thread by the given path, for the tests (native only where
-// cpu_has_avx512_bf16()).
-void gemm_bf16_single(const GemmBf16& g, bool native);
+// The kernels a product can run on: vdpbf16ps's arithmetic emulated in scalar code, the same on
+// float32 fused multiply-adds (AVX-512F, or AVX2 + FMA where isa() is avx2), vdpbf16ps itself, or
+// AMX's tiles. gemm_bf16 takes the fastest that isa() allows.
+enum class Path { emulated, fma, dpbf16, amx };
+// Whether isa() allows the path (and the build has it).
+bool path_allowed(Path path);
+// The product on the calling thread by the given path, for the tests; throws std::logic_error
+// for a path isa() does not allow.
+void gemm_bf16_single(const GemmBf16& g, Path path);
 }  // namespace bf16_impl
 
 }  // namespace tg::kernels

@@ -513,7 +513,7 @@ TEST_CASE("attention's vdpbf16ps tile products give gemm_bf16's bits at every ti
           kernels::GemmBf16 g;
           g.M = M, g.N = N, g.K = K, g.A = {a.data(), K}, g.B = {b.data(), N}, g.beta = acc ? 1.0f : 0.0f;
           g.C = want.data(), g.ldc = N;
-          kernels::bf16_impl::gemm_bf16_single(g, false);  // the emulated path: vdpbf16ps's arithmetic
+          kernels::bf16_impl::gemm_bf16_single(g, kernels::bf16_impl::Path::emulated);  // the emulated path: vdpbf16ps's arithmetic
           CHECK(got == want);
         }
   }

@@ -45,20 +45,32 @@ std::uint16_t reference_round(float x) {
 
 bool same_bits_or_nan(float a, float b) { return bits_of(a) == bits_of(b) || (std::isnan(a) && std::isnan(b)); }
 
-// Runs body for each path of the bf16 kernels this CPU has (native: AVX512_BF16's vdpbf16ps, or
-// AMX's tiles; emulated: any level below), the level set in-process in turn, then restored.
+// Runs body for each path of the bf16 kernels this CPU has (fast: the fused multiply-adds on
+// AVX2 or AVX-512F, AVX512_BF16's vdpbf16ps, or AMX's tiles; else the scalar emulation), the
+// level set in-process in turn, then restored.
 template <class F>
 void each_path(F&& body) {
   struct Restore {
     Isa level;
     ~Restore() { set_isa(level); }
   } restore{isa()};
-  for (Isa level : {Isa::portable, Isa::avx512_bf16, Isa::amx_bf16}) {
+  for (Isa level : {Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx_bf16}) {
     if (!cpu_supports(level)) continue;
     set_isa(level);
     INFO("isa=" << isa_name(level));
-    body(level >= Isa::avx512_bf16);
+    body(level >= Isa::avx2);
   }
+}
+
+using bf16_impl::Path;
+
+// The paths that give the scalar emulation's bits, each with the level it runs at: the fused
+// multiply-adds at AVX2 and at AVX-512F, and vdpbf16ps.
+std::vector<std::pair<Path, Isa>> exact_paths() {
+  std::vector<std::pair<Path, Isa>> out;
+  for (auto [path, level] : {std::pair{Path::fma, Isa::avx2}, {Path::fma, Isa::avx512}, {Path::dpbf16, Isa::avx512_bf16}})
+    if (cpu_supports(level)) out.emplace_back(path, level);
+  return out;
 }
 
 // Specials and random floats of every magnitude, subnormals included.
@@ -327,9 +339,14 @@ void fill_hard(std::mt19937& g, std::vector<float>& x) {
 
 }  // namespace
 
-TEST_CASE("bf16 product: the emulated path gives vdpbf16ps's bits", "[bf16]") {
-  if (!cpu_has_avx512_bf16()) {
-    WARN("this CPU has no AVX512_BF16: only the emulated path runs");
+TEST_CASE("bf16 product: the fused multiply-add paths and vdpbf16ps give the scalar emulation's bits", "[bf16]") {
+  struct Restore {
+    Isa level;
+    ~Restore() { set_isa(level); }
+  } restore{isa()};
+  const auto paths = exact_paths();
+  if (paths.empty()) {
+    WARN("this CPU has neither AVX2 nor AVX512_BF16: only the scalar emulation runs");
     return;
   }
   std::mt19937 g(8);
@@ -348,15 +365,19 @@ TEST_CASE("bf16 product: the emulated path gives vdpbf16ps's bits", "[bf16]") {
           }
           for (int ops = 0; ops < 4; ++ops) {  // each operand float32 or bf16 (the packers' two sources)
             const bool a16 = ops & 1, b16 = ops & 2;
-            std::vector<float> native = p.C, emulated = p.C;
-            bf16_impl::gemm_bf16_single(p.args(a16, b16, native.data()), true);
-            bf16_impl::gemm_bf16_single(p.args(a16, b16, emulated.data()), false);
-            INFO("M=" << M << " N=" << N << " K=" << K << " ta=" << ta << " tb=" << tb << " hard=" << hard
-                      << " A bf16=" << a16 << " B bf16=" << b16);
-            for (std::size_t i = 0; i < native.size(); ++i) {
-              INFO("element " << i << ": native 0x" << std::hex << bits_of(native[i]) << ", emulated 0x"
-                              << bits_of(emulated[i]));
-              REQUIRE(same_bits_or_nan(native[i], emulated[i]));
+            std::vector<float> emulated = p.C;
+            bf16_impl::gemm_bf16_single(p.args(a16, b16, emulated.data()), Path::emulated);
+            for (auto [path, level] : paths) {
+              set_isa(level);
+              std::vector<float> got = p.C;
+              bf16_impl::gemm_bf16_single(p.args(a16, b16, got.data()), path);
+              INFO("M=" << M << " N=" << N << " K=" << K << " ta=" << ta << " tb=" << tb << " hard=" << hard
+                        << " A bf16=" << a16 << " B bf16=" << b16 << " isa=" << isa_name(level));
+              for (std::size_t i = 0; i < got.size(); ++i) {
+                INFO("element " << i << ": path 0x" << std::hex << bits_of(got[i]) << ", emulated 0x"
+                                << bits_of(emulated[i]));
+                REQUIRE(same_bits_or_nan(got[i], emulated[i]));
+              }
             }
           }
         }
@@ -398,6 +419,10 @@ TEST_CASE("bf16 product: a multiply-add flushes to zero exactly when its result 
   // One pair, acc = 0 + a1 b1 = +-FLT_MIN, then acc + a0 b0 with a tiny a0 b0 (sgemm_bf16.h: the
   // result is flushed when, rounded to 24 bits at unbounded exponent, it is below 2^-126; the
   // numbers just below 2^-126 are 2^-150 apart).
+  struct Restore {
+    Isa level;
+    ~Restore() { set_isa(level); }
+  } restore{isa()};
   struct Case {
     float a0, b0;
     bool flushed;
@@ -421,13 +446,15 @@ TEST_CASE("bf16 product: a multiply-add flushes to zero exactly when its result 
         B[64 + j] = std::ldexp(1.0f, -63);
       }
       const float want = c.flushed ? sign * 0.0f : sign * FLT_MIN;
-      for (bool native : {false, true}) {
-        if (native && !cpu_has_avx512_bf16()) continue;
+      auto paths = exact_paths();
+      paths.emplace_back(Path::emulated, Isa::portable);
+      for (auto [path, level] : paths) {
+        set_isa(level);
         std::vector<float> C(64, 1.0f);
         const GemmBf16 g{false, false, 1, 64, 2, 1.0f, Bf16Operand(A, 2), Bf16Operand(B.data(), 64), 0.0f,
                          C.data(), 64};
-        bf16_impl::gemm_bf16_single(g, native);
-        INFO("a0 b0 = " << static_cast<double>(c.a0) * c.b0 << " sign " << sign << " native " << native);
+        bf16_impl::gemm_bf16_single(g, path);
+        INFO("a0 b0 = " << static_cast<double>(c.a0) * c.b0 << " sign " << sign << " isa " << isa_name(level));
         for (float v : C) REQUIRE(bits_of(v) == bits_of(want));
       }
     }
