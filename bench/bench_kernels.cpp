@@ -27,7 +27,7 @@
 //                                peak (AVX-512: 2 pipes x 16 floats x 2 flops x clock) for the fraction.
 //                                bf16 is the same products through kernels::gemm_bf16 (float32 operands
 //                                rounded while packed, float32 sums), where the CPU has AVX512_BF16;
-//                                avx2_bf16 and avx512_bf16fma are gemm_bf16 on float32 fused
+//                                avx2_fma_bf16 and avx512_fma_bf16 are gemm_bf16 on float32 fused
 //                                multiply-adds at those levels (sgemm_bf16.h), on every CPU that has them.
 //                                large_*: the same twelve products at the GPT-2-small shape (n_embd 768).
 //                                blocks_*: a resident block, and C of 2048 x 3072 with K = 256 and 768.
@@ -480,8 +480,8 @@ void register_medium_products() {
   using tg::kernels::Isa;
   const std::tuple<Isa, bool, const char*> levels[] = {{Isa::avx2, false, "avx2"},
                                                        {Isa::avx512, false, "avx512"},
-                                                       {Isa::avx2, true, "avx2_bf16"},
-                                                       {Isa::avx512, true, "avx512_bf16fma"},
+                                                       {Isa::avx2, true, "avx2_fma_bf16"},
+                                                       {Isa::avx512, true, "avx512_fma_bf16"},
                                                        {Isa::avx512_bf16, true, "avx512_bf16"},
                                                        {Isa::amx_bf16, true, "amx_bf16"}};
   for (auto [level, bf16, name] : levels)

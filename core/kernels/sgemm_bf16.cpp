@@ -246,7 +246,8 @@ void kernel_emulated(i64 pairs, const u32* A, i64 row, i64 step, const u32* Bp, 
 // A pair's two bf16 are exact in float32 (the word's high half with a zero low half, and the low
 // half shifted up), and vdpbf16ps's step, acc = ftz(acc + a b) rounded to nearest even, is one
 // float32 fused multiply-add with the MXCSR's flush-to-zero on: x86 flushes a result that is tiny
-// after rounding, as vdpbf16ps does (Intel SDM vol. 1, 11.5.2.3 and VDPBF16PS), and a tiny
+// after rounding, as vdpbf16ps does (Intel SDM vol. 1, the MXCSR's flush-to-zero and the SIMD
+// numeric underflow exception; VDPBF16PS in vol. 2), and a tiny
 // result never reaches the next step, so no input is subnormal either. Subnormal operands are
 // made zeros of their sign when the pairs are split (below). So the operands are split once into
 // float32 (A's 6-row panels, B's 64-column panels: per pair the odd k's values, then the even
@@ -286,10 +287,11 @@ void split_b(const u32* W, i64 pairs, u32* D) {
   }
 }
 
-// The MXCSR with flush-to-zero on and rounding to nearest even, whatever the caller's rounding
-// mode: vdpbf16ps ignores the MXCSR and always rounds so (bits 13-14 the rounding control, bit 15
-// flush-to-zero).
-inline unsigned ftz_csr(unsigned csr) { return (csr & ~0x6000u) | 0x8000u; }
+// The MXCSR with flush-to-zero on, rounding to nearest even and every exception masked, whatever
+// the caller's MXCSR holds: vdpbf16ps ignores the MXCSR, always rounds so and never traps, and
+// flush-to-zero applies only while underflow is masked (bits 7-12 the masks, 13-14 the rounding
+// control, 15 flush-to-zero).
+inline unsigned ftz_csr(unsigned csr) { return (csr & ~0x6000u) | 0x8000u | 0x1F80u; }
 
 // The tile's sums, acc (6 x 64, row stride 64) = sum over `pairs` pairs of the two multiply-adds,
 // the odd k first, from split panels: A's 12 floats per pair, B's 128. Called with flush-to-zero
@@ -677,14 +679,14 @@ void block_product_fma(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
   u32* Af = Aw + mcp * pairs;
   split_a(Aw, g.ta, mcp, pairs, Af);
   const bool wide = isa() >= Isa::avx512;
-  const unsigned csr = _mm_getcsr(), ftz = ftz_csr(csr);
   alignas(64) float acc[kMR * kNR];
   for (i64 q = q0; q < q1; ++q) {
     const int nv = static_cast<int>(std::min<i64>(kNR, g.N - q * kNR));
     const auto* Bj = reinterpret_cast<const float*>(Bk + q * pstride);
     for (i64 ir = 0; ir < mc; ir += kMR) {
       const auto* At = reinterpret_cast<const float*>(Af + ir * 2 * pairs);
-      _mm_setcsr(ftz);
+      const unsigned csr = _mm_getcsr();  // read per tile: the stores' flags stay raised
+      _mm_setcsr(ftz_csr(csr));
       if (wide) tile_fma512(pairs, At, Bj, acc);
       else tile_fma256(pairs, At, Bj, acc);
       _mm_setcsr(csr);
@@ -840,12 +842,53 @@ struct Plan {
   }
 };
 
-// The fastest path isa() allows.
+#ifdef TG_BF16_X86
+// Whether the fma kernel of this width gives fma_ftz's bits on this CPU, where the flushes decide
+// them: one pair per element, acc = ftz(0 + a1 b1) = +-FLT_MIN (a1 = +-2^-63, b1 = 2^-63), then
+// acc = ftz(acc + a0 b0) with products of 2^-150 to 2^-127 of either sign, ties and the values
+// beside them among them. A CPU, hypervisor or emulator that ignores the MXCSR's flush-to-zero,
+// or detects tininess before rounding, fails it.
+bool fma_flush_exact(bool wide) {
+  alignas(64) float A[2 * kMR], B[2 * kNR], acc[kMR * kNR];
+  const float t = 0x1p-75f;
+  const float a0[kMR] = {-t, t * (1 + 0x1p-5f), -t, t, -t * 1.5f, t * (1 - 0x1p-8f)};
+  for (int i = 0; i < kMR; ++i) {
+    A[2 * i] = i % 2 ? -0x1p-63f : 0x1p-63f;  // the odd k: a1
+    A[2 * i + 1] = a0[i];                      // the even k: a0
+  }
+  const float b0[16] = {0x1p-76f, 0x1p-76f * (1 + 0x1p-4f), 0x1p-77f, 0x1p-75f, 0x1p-52f, 0x1p-74f, 0x1p-78f,
+                        0x1p-76f * 1.5f, -0x1p-76f, -0x1p-75f, 0x1p-76f * (1 - 0x1p-7f), 0x1p-51f, 0x1p-60f,
+                        -0x1p-77f, 0x1p-76f * (1 + 0x1p-7f), 0.0f};
+  for (int j = 0; j < kNR; ++j) {
+    B[j] = 0x1p-63f;            // the odd k: b1
+    B[kNR + j] = b0[j % 16];    // the even k: b0
+  }
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr(ftz_csr(csr));
+  if (wide) tile_fma512(1, A, B, acc);
+  else tile_fma256(1, A, B, acc);
+  _mm_setcsr((ftz_csr(csr) & ~0x8040u));  // the reference: nearest even, no flush-to-zero, no DAZ
+  bool same = true;
+  for (int i = 0; i < kMR; ++i)
+    for (int j = 0; j < kNR; ++j)
+      same &= float_bits(fma_ftz(A[2 * i + 1], B[kNR + j], fma_ftz(A[2 * i], B[j], 0.0f))) == float_bits(acc[i * kNR + j]);
+  _mm_setcsr(csr);
+  return same;
+}
+#endif
+
+// The fastest path isa() allows (the fma path where its flushes check out, once per width).
 Path path_in_use() {
 #ifdef TG_BF16_X86
   if (isa() >= Isa::amx_bf16) return Path::amx;
   if (isa() >= Isa::avx512_bf16) return Path::dpbf16;
-  if (isa() >= Isa::avx2) return Path::fma;
+  if (isa() >= Isa::avx512) {
+    static const bool exact = fma_flush_exact(true);
+    if (exact) return Path::fma;
+  } else if (isa() >= Isa::avx2) {
+    static const bool exact = fma_flush_exact(false);
+    if (exact) return Path::fma;
+  }
 #endif
   return Path::emulated;
 }
@@ -944,6 +987,8 @@ void gemm_bf16_naive(const GemmBf16& g) {
       c = static_cast<float>(g.alpha * acc + (g.beta == 0.0f ? 0.0 : static_cast<double>(g.beta) * c));
     }
 }
+
+Path bf16_impl::path_in_use() { return kernels::path_in_use(); }
 
 bool bf16_impl::path_allowed(Path path) {
   switch (path) {

@@ -24,16 +24,19 @@
 // (kernels/isa.h); elsewhere, on AVX-512F or AVX2 + FMA, float32 fused multiply-adds on operands
 // split into float32 with the MXCSR's flush-to-zero on (each step of the sum is exactly one such
 // multiply-add: sgemm_bf16.cpp says why), at about the float32 product's rate; and a scalar
-// emulation (the flushes done by hand), an order of magnitude slower, the reference for tests and
-// the path of CPUs without AVX2. Every element is computed by one thread in that fixed order, so
-// the bits do not depend on the number of threads either. NaN payloads may differ between the
-// paths (NaN stays NaN).
+// emulation (the flushes done by hand), several times slower, the reference for tests and the
+// path of CPUs without AVX2. Every element is computed by one thread in that fixed order, so the
+// bits do not depend on the number of threads either. NaN payloads may differ between the paths
+// (NaN stays NaN). The sums of vdpbf16ps and of the fused multiply-add path round to nearest even
+// whatever the caller's MXCSR holds, which they leave as it was; the scalar emulation's round in
+// the caller's mode, so it gives the same bits under the default mode, round to nearest even. The
+// stores C = alpha acc + beta C round in the caller's mode on every path.
 //
 // A fourth path, AMX's tiles (isa amx_bf16: Intel's tile unit, with tdpbf16ps), gives the same
 // operands and blocks but sums in the tile unit's own order: per element, 16 pairs of a chunk of
 // 32 k at a time, as the hardware orders them within an instruction (Intel SDM, TDPBF16PS: inputs
 // read as zero when subnormal, results flushed, round to nearest even). Its bits may differ from
-// the other two paths' in the last places, within the bound below; they too are the same for any
+// the other paths' in the last places, within the bound below; they too are the same for any
 // number of threads. There K blocks are whole chunks of 32 (fixed by K alone), rows go in blocks
 // of 32 (two tiles of 16), and op(A) is packed as bf16 rows (A^T's rows made from pairs of A's rows), while op(B)'s
 // 64-column panels of pairs are what a B tile loads, 16 columns at a time.
@@ -48,7 +51,9 @@
 // Layering (as sgemm_avx2.h; Goto and van de Geijn, ACM TOMS 2008): op(B) packed into panels of
 // 64 columns with k in pairs (the 32-bit pair (b(k, j), b(k+1, j)) is what vdpbf16ps multiplies
 // per lane), op(A) packed per block of rows (A as bf16 rows, A^T as 6-row panels of pairs), and a
-// 6 x 64 register tile: 24 zmm accumulators, 4 for B, 1 for the broadcast pair of A.
+// 6 x 64 register tile: 24 zmm accumulators, 4 for B, 1 for the broadcast pair of A. The fused
+// multiply-add path splits both packings into float32 (A's pairs into 6-row panels) and runs a
+// 6 x 64 float32 tile: 24 zmm, or 12 ymm 16 columns at a time with AVX2.
 #include <cstdint>
 
 #include "kernels/bf16.h"
@@ -104,6 +109,10 @@ namespace bf16_impl {
 enum class Path { emulated, fma, dpbf16, amx };
 // Whether isa() allows the path (and the build has it).
 bool path_allowed(Path path);
+// The path gemm_bf16 takes: the fastest isa() allows. The fused multiply-add path is taken only
+// where a check at its first use finds that this CPU's flush-to-zero gives vdpbf16ps's bits (a
+// CPU, hypervisor or emulator that ignores the MXCSR's flush-to-zero gets the scalar emulation).
+Path path_in_use();
 // The product on the calling thread by the given path, for the tests; throws std::logic_error
 // for a path isa() does not allow.
 void gemm_bf16_single(const GemmBf16& g, Path path);

@@ -17,6 +17,10 @@
 #include "kernels/isa.h"
 #include "kernels/sgemm_bf16.h"
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 using namespace tg::kernels;
 using i64 = std::int64_t;
 
@@ -383,6 +387,56 @@ TEST_CASE("bf16 product: the fused multiply-add paths and vdpbf16ps give the sca
         }
 }
 
+TEST_CASE("bf16 product: gemm_bf16 takes the fastest path each instruction set allows", "[bf16]") {
+  struct Restore {
+    Isa level;
+    ~Restore() { set_isa(level); }
+  } restore{isa()};
+  for (auto [level, want] : {std::pair{Isa::portable, Path::emulated}, {Isa::avx2, Path::fma}, {Isa::avx512, Path::fma},
+                             {Isa::avx512_bf16, Path::dpbf16}, {Isa::amx_bf16, Path::amx}}) {
+    if (!cpu_supports(level)) continue;
+    set_isa(level);
+    INFO("isa=" << isa_name(level));
+    CHECK(bf16_impl::path_in_use() == want);
+  }
+}
+
+#if defined(__x86_64__)
+TEST_CASE("bf16 product: the caller's MXCSR is left as it was and does not change the fast paths' sums", "[bf16]") {
+  struct Restore {
+    Isa level;
+    unsigned csr;
+    ~Restore() {
+      set_isa(level);
+      _mm_setcsr(csr);
+    }
+  } restore{isa(), _mm_getcsr()};
+  std::mt19937 g(31);
+  // Small (one thread) and large (the team) products, alone and as a pair; alpha = 1 and beta = 0,
+  // so the stores are exact and the sums alone decide (the stores round in the caller's mode).
+  Problem p = make_problem(g, false, true, 13, 70, 300, 1.0f, 0.0f);
+  Problem q = make_problem(g, true, false, 150, 130, 300, 1.0f, 0.0f);
+  for (auto [path, level] : exact_paths()) {
+    set_isa(level);
+    INFO("isa=" << isa_name(level));
+    std::vector<float> p0 = p.C, q0 = q.C, p1 = p.C, q1 = q.C, p2 = p.C, q2 = q.C;
+    gemm_bf16(p.args(false, false, p0.data()));
+    gemm_bf16(q.args(false, true, q0.data()));
+    // Round toward zero, flush-to-zero off, the precision flag raised: a caller's own setting.
+    const unsigned caller = (restore.csr & ~0xE040u) | 0x6000u | 0x20u;
+    _mm_setcsr(caller);
+    gemm_bf16(p.args(false, false, p1.data()));
+    gemm_bf16(q.args(false, true, q1.data()));
+    gemm_bf16_pair(p.args(false, false, p2.data()), q.args(false, true, q2.data()));
+    const unsigned after = _mm_getcsr();
+    _mm_setcsr(restore.csr);
+    CHECK(after == caller);
+    for (const auto* v : {&p1, &p2}) REQUIRE(std::memcmp(v->data(), p0.data(), p0.size() * 4) == 0);
+    for (const auto* v : {&q1, &q2}) REQUIRE(std::memcmp(v->data(), q0.data(), q0.size() * 4) == 0);
+  }
+}
+#endif
+
 TEST_CASE("bf16 product: the same bits for 1, 2 and 3 threads, alone or as a pair", "[bf16]") {
   const int saved = omp_get_max_threads();
   struct Restore {
@@ -390,10 +444,10 @@ TEST_CASE("bf16 product: the same bits for 1, 2 and 3 threads, alone or as a pai
     ~Restore() { omp_set_num_threads(n); }
   } restore{saved};
   std::mt19937 g(13);
-  each_path([&](bool native) {
-    const i64 big = native ? 1 : 0;  // the emulated path is slow: smaller shapes, still shared (2^21 multiply-adds)
+  each_path([&](bool fast) {
+    const i64 big = fast ? 1 : 0;  // the scalar emulation is slow: smaller shapes, still shared (2^21 multiply-adds)
     Problem p = make_problem(g, false, true, 150 + 250 * big, 130 + 200 * big, 300, 1.0f, 0.5f);
-    // q's K makes two K blocks on the native paths
+    // q's K makes two K blocks on the fast paths
     Problem q = make_problem(g, true, false, 130 + 200 * big, 70 + 100 * big, 300 + 1500 * big, 2.0f, 0.0f);
     std::vector<float> p1, q1;
     for (int threads : {1, 2, 3}) {

@@ -4,7 +4,8 @@
 // Inside an AutocastGuard, the float32 matrix products of matmul and linear take bfloat16
 // operands (each float32 value rounded to the nearest bfloat16, ties to even) and accumulate in
 // float32 (AMX's tile product tdpbf16ps or the AVX512_BF16 instruction vdpbf16ps where the CPU has
-// them, else an emulation of vdpbf16ps's bits, much more slowly; kernels/sgemm_bf16.h). Their results are float32, and so is everything else: the norms,
+// them, else vdpbf16ps's bits on float32 fused multiply-adds, at about float32's speed;
+// kernels/sgemm_bf16.h). Their results are float32, and so is everything else: the norms,
 // softmax, cross-entropy, the residual stream, the gradients, the master weights and the
 // optimizer's state. The backward of a product recorded inside the scope is a bf16 product too,
 // wherever backward() is called.
