@@ -656,7 +656,11 @@ void block_product_amx(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
 }
 
 // The stores of a tile's sums, C = alpha acc (beta = 0) or fma(beta, C, alpha acc), as the
-// native kernel's: acc is 6 x 64, row stride 64.
+// native kernel's: acc is 6 x 64, row stride 64. Compiled for AVX2 + FMA, which the fma path's
+// CPUs have, so that std::fma is an instruction and not a library call in a build without -march.
+#ifdef TG_BF16_X86
+[[gnu::target("avx2,fma")]]
+#endif
 void store_tile(const float* acc, float* C, i64 ldc, float alpha, float beta, int mv, int nv) {
   for (int i = 0; i < mv; ++i)
     for (int j = 0; j < nv; ++j) store(acc[i * kNR + j], alpha, beta, C[i * ldc + j]);
