@@ -247,8 +247,8 @@ void kernel_emulated(i64 pairs, const u32* A, i64 row, i64 step, const u32* Bp, 
 // half shifted up), and vdpbf16ps's step, acc = ftz(acc + a b) rounded to nearest even, is one
 // float32 fused multiply-add with the MXCSR's flush-to-zero on: x86 flushes a result that is tiny
 // after rounding, as vdpbf16ps does (Intel SDM vol. 1, the MXCSR's flush-to-zero and the SIMD
-// numeric underflow exception; VDPBF16PS in vol. 2), and a tiny
-// result never reaches the next step, so no input is subnormal either. Subnormal operands are
+// numeric underflow exception; VDPBF16PS in vol. 2), and a tiny result never reaches the next
+// step, so no input is subnormal either. Subnormal operands are
 // made zeros of their sign when the pairs are split (below). So the operands are split once into
 // float32 (A's 6-row panels, B's 64-column panels: per pair the odd k's values, then the even
 // k's), and a float32 register tile runs with flush-to-zero on: every step the bits of the
@@ -849,8 +849,8 @@ struct Plan {
 #ifdef TG_BF16_X86
 // Whether the fma kernel of this width gives fma_ftz's bits on this CPU, where the flushes decide
 // them: one pair per element, acc = ftz(0 + a1 b1) = +-FLT_MIN (a1 = +-2^-63, b1 = 2^-63), then
-// acc = ftz(acc + a0 b0) with products of 2^-150 to 2^-127 of either sign, ties and the values
-// beside them among them. A CPU, hypervisor or emulator that ignores the MXCSR's flush-to-zero,
+// acc = ftz(acc + a0 b0) with products of 2^-153 to 2^-125 of either sign and zero, ties and the
+// values beside them among them. A CPU, hypervisor or emulator that ignores the MXCSR's flush-to-zero,
 // or detects tininess before rounding, fails it.
 bool fma_flush_exact(bool wide) {
   alignas(64) float A[2 * kMR], B[2 * kNR], acc[kMR * kNR];
