@@ -666,6 +666,14 @@ void store_tile(const float* acc, float* C, i64 ldc, float alpha, float beta, in
     for (int j = 0; j < nv; ++j) store(acc[i * kNR + j], alpha, beta, C[i * ldc + j]);
 }
 
+// op(A)'s block, rows [r0, r0 + mc) and k in [pc, pc + kc), as pair words at Ap: pack_a_trans's
+// 6-row panels when ta, else pack_a_rows' bf16 rows (native: converted with AVX512_BF16).
+void pack_a_words(const GemmBf16& g, i64 r0, i64 mc, i64 pc, i64 kc, u32* Ap, bool native) {
+  if (!g.ta) return pack_a_rows(g.A, r0, mc, pc, kc, reinterpret_cast<bf16*>(Ap), native);
+  if (g.A.f) pack_a_trans(g.A.f, g.A.ld, r0, mc, pc, kc, Ap);
+  else pack_a_trans(g.A.h, g.A.ld, r0, mc, pc, kc, Ap);
+}
+
 // The fused multiply-add version: Ap has room for the block's packed words and their split
 // floats after them (Plan::a_bytes), and Bk's panels are split (Plan::pack_panel). Flush-to-zero
 // is on while a tile sums, and the caller's MXCSR back for the stores.
@@ -674,12 +682,7 @@ void block_product_fma(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
 #ifdef TG_BF16_X86
   const i64 mc = r1 - r0, pairs = (kc + 1) / 2, mcp = round_up(mc, kMR);
   auto* Aw = static_cast<u32*>(Ap);
-  if (g.ta) {
-    if (g.A.f) pack_a_trans(g.A.f, g.A.ld, r0, mc, pc, kc, Aw);
-    else pack_a_trans(g.A.h, g.A.ld, r0, mc, pc, kc, Aw);
-  } else {
-    pack_a_rows(g.A, r0, mc, pc, kc, reinterpret_cast<bf16*>(Aw), false);
-  }
+  pack_a_words(g, r0, mc, pc, kc, Aw, false);
   u32* Af = Aw + mcp * pairs;
   split_a(Aw, g.ta, mcp, pairs, Af);
   const bool wide = isa() >= Isa::avx512;
@@ -709,12 +712,7 @@ void block_product(const GemmBf16& g, Path path, i64 r0, i64 r1, i64 pc, i64 kc,
   if (path == Path::fma) return block_product_fma(g, r0, r1, pc, kc, Bk, pstride, q0, q1, be, Ap);
   const bool native = path == Path::dpbf16;
   const i64 mc = r1 - r0, pairs = (kc + 1) / 2;
-  if (g.ta) {
-    if (g.A.f) pack_a_trans(g.A.f, g.A.ld, r0, mc, pc, kc, static_cast<u32*>(Ap));
-    else pack_a_trans(g.A.h, g.A.ld, r0, mc, pc, kc, static_cast<u32*>(Ap));
-  } else {
-    pack_a_rows(g.A, r0, mc, pc, kc, static_cast<bf16*>(Ap), native);
-  }
+  pack_a_words(g, r0, mc, pc, kc, static_cast<u32*>(Ap), native);
   const u32* Aw = static_cast<const u32*>(Ap);
 #ifdef TG_BF16_X86
   const bool avx2 = !native && isa() >= Isa::avx2;
