@@ -29,6 +29,8 @@
 //                                rounded while packed, float32 sums), where the CPU has AVX512_BF16;
 //                                avx2_fma_bf16 and avx512_fma_bf16 are gemm_bf16 on float32 fused
 //                                multiply-adds at those levels (sgemm_bf16.h), on every CPU that has them.
+//                                avx512 runs the CPU's own register tile; avx512_14x32 and
+//                                avx512_8x48 run each of the two (kernels/sgemm_avx512.h).
 //                                large_*: the same twelve products at the GPT-2-small shape (n_embd 768).
 //                                blocks_*: a resident block, and C of 2048 x 3072 with K = 256 and 768.
 //   peak/<kind>                  the team's multiply-add peak: fma_avx2, fma_avx512, dpbf16, amx_bf16 (peak.cpp);
@@ -77,6 +79,7 @@
 #include "kernels/attention.h"
 #include "kernels/gemm.h"
 #include "kernels/isa.h"
+#include "kernels/sgemm_avx512.h"
 #include "kernels/sgemm_bf16.h"
 #include "peak.h"
 #include "tapegrad/autograd.h"
@@ -255,8 +258,16 @@ struct ProductCase {
   bool ta, tb;
   i64 M, N, K;
 };
-void bm_gemm_isa(benchmark::State& state, ProductCase c, tg::kernels::Isa level, bool bf16) {
+// tile: the AVX-512 product's register tile, -1 for the CPU's own (kernels/sgemm_avx512.h).
+void bm_gemm_isa(benchmark::State& state, ProductCase c, tg::kernels::Isa level, bool bf16, int tile) {
   tg::manual_seed(4321);
+#ifdef TG_SGEMM_AVX512
+  namespace s5 = tg::kernels::sgemm_avx512;
+  const s5::TileShape tile_before = s5::tile();
+  if (tile >= 0) s5::set_tile(static_cast<s5::TileShape>(tile));
+#else
+  (void)tile;
+#endif
   const tg::Tensor a = tg::randn(c.ta ? tg::Shape{c.K, c.M} : tg::Shape{c.M, c.K});
   const tg::Tensor b = tg::randn(c.tb ? tg::Shape{c.N, c.K} : tg::Shape{c.K, c.N});
   std::vector<float> out(static_cast<std::size_t>(c.M * c.N));
@@ -273,6 +284,9 @@ void bm_gemm_isa(benchmark::State& state, ProductCase c, tg::kernels::Isa level,
     benchmark::ClobberMemory();
   }
   tg::kernels::set_isa(before);
+#ifdef TG_SGEMM_AVX512
+  s5::set_tile(tile_before);
+#endif
   state.counters["FLOPS"] =
       benchmark::Counter(2.0 * static_cast<double>(c.M * c.N * c.K), benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -478,17 +492,20 @@ void register_medium_products() {
       {"blocks_k768", false, false, 2048, 3072, 768},
   };
   using tg::kernels::Isa;
-  const std::tuple<Isa, bool, const char*> levels[] = {{Isa::avx2, false, "avx2"},
-                                                       {Isa::avx512, false, "avx512"},
-                                                       {Isa::avx2, true, "avx2_fma_bf16"},
-                                                       {Isa::avx512, true, "avx512_fma_bf16"},
-                                                       {Isa::avx512_bf16, true, "avx512_bf16"},
-                                                       {Isa::amx_bf16, true, "amx_bf16"}};
-  for (auto [level, bf16, name] : levels)
+  // avx512 runs the CPU's own tile; avx512_14x32 and avx512_8x48 each tile (kernels/sgemm_avx512.h).
+  const std::tuple<Isa, bool, const char*, int> levels[] = {{Isa::avx2, false, "avx2", -1},
+                                                            {Isa::avx512, false, "avx512", -1},
+                                                            {Isa::avx512, false, "avx512_14x32", 0},
+                                                            {Isa::avx512, false, "avx512_8x48", 1},
+                                                            {Isa::avx2, true, "avx2_fma_bf16", -1},
+                                                            {Isa::avx512, true, "avx512_fma_bf16", -1},
+                                                            {Isa::avx512_bf16, true, "avx512_bf16", -1},
+                                                            {Isa::amx_bf16, true, "amx_bf16", -1}};
+  for (auto [level, bf16, name, tile] : levels)
     if (tg::kernels::cpu_supports(level))
       for (const ProductCase& c : medium)
         benchmark::RegisterBenchmark(("gemm_isa/" + std::string(c.name) + "/" + name).c_str(), bm_gemm_isa, c, level,
-                                     bf16)
+                                     bf16, tile)
             ->UseRealTime()->MinTime(0.1)->Unit(benchmark::kMicrosecond);
   const std::pair<bench::PeakKind, Isa> peaks[] = {{bench::PeakKind::fma_avx2, Isa::avx2},
                                                    {bench::PeakKind::fma_avx512, Isa::avx512},

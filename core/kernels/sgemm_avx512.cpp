@@ -2,7 +2,30 @@
 // sgemm_avx512.h says why this tile.
 #include "kernels/sgemm_avx512.h"
 
+#include <atomic>
+
 #ifdef TG_SGEMM_AVX512
+namespace tg::kernels::sgemm_avx512 {
+
+namespace {
+// The tile set_tile chose, or -1 for the CPU's own. These few functions are compiled outside the
+// AVX-512 target below: tests and benches ask for the tile on any CPU.
+std::atomic<int> g_tile{-1};
+}  // namespace
+
+TileShape default_tile() {
+  return __builtin_cpu_is("intel") ? TileShape::wide_8x48 : TileShape::tall_14x32;  // sgemm_avx512.h says why
+}
+TileShape tile() {
+  const int t = g_tile.load(std::memory_order_relaxed);
+  return t < 0 ? default_tile() : static_cast<TileShape>(t);
+}
+void set_tile(TileShape shape) { g_tile.store(static_cast<int>(shape), std::memory_order_relaxed); }
+int tile_rows(TileShape shape) { return shape == TileShape::wide_8x48 ? 8 : 14; }
+int tile_cols(TileShape shape) { return shape == TileShape::wide_8x48 ? 48 : 32; }
+
+}  // namespace tg::kernels::sgemm_avx512
+
 #define TG_SGEMM_TARGET "avx512f,avx2,fma"
 #include "kernels/sgemm_driver.h"
 
@@ -14,32 +37,39 @@ namespace {
 
 using i64 = std::int64_t;
 
+// The MR x (16 NV) tile C[0..mv) x [0..nv) = alpha * sum_k a(i, k) b(k, j) + beta * C, over k < kc
+// (sgemm_driver.h gives the operands' layout). Each row's NV accumulators take a(i, k) as a
+// broadcast and b(k, 16 v .. 16 v + 16) from the packed panel. sgemm_avx512.h says which tile runs
+// where, and why.
+template <int MR_, int NV, i64 MC_, i64 NC_>
 struct Tile {
-  static constexpr int MR = 14;     // rows of C per kernel call
-  static constexpr int NR = 32;     // columns of C per kernel call (two zmm)
-  static constexpr i64 KC = 768;    // K per block, as the AVX2 tile's: a panel of B is kc x 128 bytes = 96 KB
-  static constexpr i64 MC = 140;    // rows of C per block: 140 x 768 floats of A = 420 KB, under half a 1 MB L2
-  static constexpr i64 NC = 2048;   // columns of B packed at once: 6 MB at kc = 768
+  static constexpr int MR = MR_;       // rows of C per kernel call
+  static constexpr int NR = 16 * NV;   // columns of C per kernel call (NV zmm)
+  static constexpr i64 KC = 768;       // K per block, as the AVX2 tile's: a panel of B is kc x 4 NR bytes
+  static constexpr i64 MC = MC_;       // rows of C per block: MC x 768 floats of A, under half a 1 MB L2
+  static constexpr i64 NC = NC_;       // columns of B packed at once: about 6 MB at kc = 768
+  static_assert(MR * NV + NV + 1 <= 32, "accumulators, the row of B and the broadcast fit in 32 zmm");
 
-  // The MR x 32 tile C[0..mv) x [0..nv) = alpha * sum_k a(i, k) b(k, j) + beta * C, over k < kc
-  // (sgemm_driver.h gives the operands' layout). Each row's two accumulators take a(i, k) as a
-  // broadcast, b(k, 0..16) and b(k, 16..32) from the packed panel.
   template <bool ROWS>
   static void kernel(i64 kc, const float* __restrict A, i64 lda, const float* __restrict Bp, float* C, i64 ldc,
                      float alpha, float beta, int mv, int nv) {
-    __m512 c0[MR], c1[MR];
+    __m512 c[MR][NV];
 #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[i][v] = _mm512_setzero_ps();
     const i64 row = ROWS ? lda : 1, step = ROWS ? 1 : lda;
     prefetch_tile(C, ldc, mv, nv);
 #pragma GCC unroll 2
     for (i64 k = 0; k < kc; ++k) {
-      const __m512 b0 = _mm512_load_ps(Bp), b1 = _mm512_load_ps(Bp + 16);
+      __m512 b[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) b[v] = _mm512_load_ps(Bp + 16 * v);
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
         const __m512 a = _mm512_set1_ps(A[i * row]);
-        c0[i] = _mm512_fmadd_ps(a, b0, c0[i]);
-        c1[i] = _mm512_fmadd_ps(a, b1, c1[i]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) c[i][v] = _mm512_fmadd_ps(a, b[v], c[i][v]);
       }
       A += step;
       Bp += NR;
@@ -52,16 +82,14 @@ struct Tile {
     const bool read_c = full && beta != 0.0f;
     const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
 #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) {
-      float* r = dst + i * ld;
-      __m512 x0 = _mm512_mul_ps(va, c0[i]), x1 = _mm512_mul_ps(va, c1[i]);
-      if (read_c) {
-        x0 = _mm512_fmadd_ps(vb, _mm512_loadu_ps(r), x0);
-        x1 = _mm512_fmadd_ps(vb, _mm512_loadu_ps(r + 16), x1);
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        float* r = dst + i * ld + 16 * v;
+        __m512 x = _mm512_mul_ps(va, c[i][v]);
+        if (read_c) x = _mm512_fmadd_ps(vb, _mm512_loadu_ps(r), x);
+        _mm512_storeu_ps(r, x);
       }
-      _mm512_storeu_ps(r, x0);
-      _mm512_storeu_ps(r + 16, x1);
-    }
     if (!full)
       for (int i = 0; i < mv; ++i)
         for (int j = 0; j < nv; ++j) {
@@ -71,16 +99,26 @@ struct Tile {
   }
 };
 
-using Driver = sgemm_driver::Driver<Tile>;
+// 14 x 32: 140 x 768 floats of A = 420 KB a block; 2048 columns of B at once.
+using Tall = sgemm_driver::Driver<Tile<14, 2, 140, 2048>>;
+// 8 x 48: 144 x 768 floats of A = 432 KB a block; 2016 columns (42 panels) of B at once.
+using Wide = sgemm_driver::Driver<Tile<8, 3, 144, 2016>>;
 
 }  // namespace
 
 void sgemm(bool ta, bool tb, i64 M, i64 N, i64 K, float alpha, const float* A, i64 lda, const float* B, i64 ldb,
            float beta, float* C, i64 ldc, Tri tri) {
-  Driver::sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, tri);
+  if (tile() == TileShape::wide_8x48) Wide::sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, tri);
+  else Tall::sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, tri);
 }
-void sgemm_parallel(const Gemm<float>& p) { Driver::sgemm_parallel(p); }
-void sgemm_pair_parallel(const Gemm<float>& p, const Gemm<float>& q) { Driver::sgemm_pair_parallel(p, q); }
+void sgemm_parallel(const Gemm<float>& p) {
+  if (tile() == TileShape::wide_8x48) Wide::sgemm_parallel(p);
+  else Tall::sgemm_parallel(p);
+}
+void sgemm_pair_parallel(const Gemm<float>& p, const Gemm<float>& q) {
+  if (tile() == TileShape::wide_8x48) Wide::sgemm_pair_parallel(p, q);
+  else Tall::sgemm_pair_parallel(p, q);
+}
 
 }  // namespace tg::kernels::sgemm_avx512
 

@@ -4,15 +4,26 @@
 // kernels::gemm<float>, gemm_pair and gemm_tri (gemm.cpp) when kernels::isa() is avx512 or above
 // (isa.h); docs/matmul.md walks through it.
 //
-// - The tile is 14 x 32: 28 zmm accumulators (two 16-float registers per row), two for the row of
-//   B, one for the broadcast of a(i, k): 31 of 32 registers. Each k step does 28 FMAs (14 cycles on
-//   two 512-bit FMA pipes) for 2 loads of B and 14 broadcasts, so the loop is bound by the FMAs,
-//   not by the loads, and 28 independent accumulators cover the FMA latency (4 cycles x 2 pipes
-//   needs 8) several times over. (12 x 32 and 8 x 32 fit too; with fewer rows, each k step's loads
-//   of B serve fewer FMAs.)
-// - A 32-column panel of B is kc x 128 bytes: 96 KB at kc = 768, streamed from L2 in order.
+// - Two register tiles, both using 31 of the 32 zmm registers:
+//   - 14 x 32: 28 accumulators (two 16-float registers per row), two for the row of B, one for
+//     the broadcast of a(i, k). Each k step does 28 FMAs for 2 loads of B and 14 broadcasts.
+//   - 8 x 48: 24 accumulators (three per row), three for the row of B, one for the broadcast.
+//     Each k step does 24 FMAs for 3 loads of B and 8 broadcasts: 11 loads where the tall tile
+//     has 16, for 4 FMAs fewer. And 8 divides every width of the GPT (384, 768, 1152, 2304, 3072)
+//     and its 2048 rows of tokens, where 14 divides none of them, so the wide tile wastes fewer
+//     lanes on edge tiles: the weight gradients' M is a width.
+//   Either way the loop is bound by the FMAs (14 or 12 cycles on two 512-bit FMA pipes), not by
+//   the loads, and 24 or more independent accumulators cover the FMA latency (4 cycles x 2 pipes
+//   needs 8) several times over.
+// - Which tile runs is chosen at run time from the CPU, as the instruction set is: 8 x 48 on
+//   Intel, 14 x 32 on the others. On an Intel Xeon (family 6, model 207) the wide tile ran the
+//   GPT-2-small products 2-4% faster and the medium ones' weight gradients up to 15% faster, and
+//   the training step 1.4-1.8% faster (docs/performance.md). On AMD's Zen 4, where an AVX-512 FMA
+//   takes the two 256-bit pipes, the 14 x 32 tile is the one measured there; the wide tile is not.
+// // - A panel of B is kc x 128 or kc x 192 bytes: 96 or 144 KB at kc = 768, streamed from L2 in order.
 // - K blocks are as the AVX2 product's (kc <= 768, the same cut of K), and every element of C is
-//   one chain of FMAs over k in order in each, so the two products give the same bits.
+//   one chain of FMAs over k in order in each, so the two tiles and the AVX2 product give the same
+//   bits, and the choice of tile never changes a result.
 //
 // Compiled for AVX-512F whatever the build's -march (sgemm_driver.h says how), on compilers that
 // can (TG_KERNELS_X86, isa.h); called only where the CPU has it.
@@ -25,6 +36,17 @@
 #define TG_SGEMM_AVX512 1
 
 namespace tg::kernels::sgemm_avx512 {
+
+enum class TileShape { tall_14x32, wide_8x48 };
+// The CPU's tile: wide_8x48 on Intel, tall_14x32 on the others (above).
+TileShape default_tile();
+// The tile in use: set_tile's, else default_tile().
+TileShape tile();
+// Sets the tile for the whole process, for tests and benches (every tile runs on every AVX-512
+// CPU). Not to be called while another thread is inside a product.
+void set_tile(TileShape shape);
+int tile_rows(TileShape shape);  // 14 or 8
+int tile_cols(TileShape shape);  // 32 or 48
 
 // tri (gemm.h): a triangle of C the caller does not need, or of op(A) that is zero, which the
 // tiles then skip (causal attention's products).

@@ -35,7 +35,8 @@ Tensor naive_matmul(const Tensor& a, const Tensor& b, bool ta, bool tb) {
 }
 
 // The float32 products' levels (kernels/isa.h): portable (OpenBLAS), avx2 (our 6 x 16 tile) and
-// avx512 (our 14 x 32 tile); each_isa (isa_helpers.h) runs a test under each the CPU has.
+// avx512 (our 14 x 32 and 8 x 48 tiles); each_isa (isa_helpers.h) runs a test under each the CPU
+// has, and at avx512 under each tile.
 const std::initializer_list<kernels::Isa> kProducts = {kernels::Isa::portable, kernels::Isa::avx2,
                                                        kernels::Isa::avx512};
 }  // namespace
@@ -133,14 +134,15 @@ TEST_CASE("gemm split across threads (by rows or by columns) matches the naive r
 
 TEST_CASE("float32 gemm on one thread matches the naive reference at every tile, block and panel edge") {
   // On AVX2 and AVX-512 CPUs this is our own product (kernels/sgemm_driver.h): tiles of C of 6 x 16
-  // (avx2) or 14 x 32 (avx512), K in blocks of at most 768, rows of C in blocks of at most 144 (avx2)
-  // or 140 (avx512), B packed 2048 columns at a time in panels of 16 or 32, B^T transposed 8 x 8 in
-  // registers, A^T packed in panels of 6 or 14. The sizes put a ragged tile, block or panel at every
-  // one of those edges (M = 151: two row blocks, the second ending in a 1-row tile (avx2: 78 + 73)
-  // or an 11-row one (avx512: 84 + 67); M = 295: three, the last ending in a 1-row tile on both;
-  // N = 17 and 65: a panel of 1 or 17 columns; K = 769: blocks of 388 and 381, not multiples of the
-  // 8-wide transpose; N = 2100: two packs of B), and whole tiles only (12 x 32, 28 x 64), with padded
-  // leading dimensions whose extra columns must keep their values.
+  // (avx2), 14 x 32 or 8 x 48 (avx512), K in blocks of at most 768, rows of C in blocks of at most
+  // 144 (avx2, 8 x 48) or 140 (14 x 32), B packed 2048 (2016 for 8 x 48) columns at a time in panels
+  // of 16, 32 or 48, B^T transposed 8 x 8 in registers, A^T packed in panels of 6, 14 or 8. The
+  // sizes put a ragged tile, block or panel at every one of those edges (M = 151: two row blocks,
+  // the second ending in a 1-row tile (avx2: 78 + 73), an 11-row one (14 x 32: 84 + 67) or a 7-row
+  // one (8 x 48: 80 + 71); M = 295: three, the last ending in a ragged tile on all; N = 17 and 65: a
+  // panel of 1 or 17 columns; K = 769: blocks of 388 and 381, not multiples of the 8-wide
+  // transpose; N = 2100: two packs of B), and whole tiles only (12 x 32, 28 x 64, 16 x 96), with
+  // padded leading dimensions whose extra columns must keep their values.
   each_isa(kProducts, [&](kernels::Isa) {
     const int before = get_num_threads();
     set_num_threads(1);
@@ -156,7 +158,8 @@ TEST_CASE("float32 gemm on one thread matches the naive reference at every tile,
     sizes.push_back({7, 2100, 3});
     sizes.push_back({295, 65, 300});
     sizes.push_back({12, 32, 16});  // whole tiles only (avx2)
-    sizes.push_back({28, 64, 16});  // whole tiles only (avx512)
+    sizes.push_back({28, 64, 16});  // whole tiles only (avx512, 14 x 32)
+    sizes.push_back({16, 96, 16});  // whole tiles only (avx512, 8 x 48)
     for (bool ta : {false, true})
       for (bool tb : {false, true})
         for (const Size& z : sizes)
@@ -290,10 +293,11 @@ TEST_CASE("A's rows read in place or packed because their stride crowds L1's set
   });
 }
 
-TEST_CASE("the AVX2 and AVX-512 products give the same bits") {
-  // Both cut K into the same blocks and sum each element of C as one chain of FMAs over k in order
-  // (kernels/sgemm_avx512.h), so the instruction set does not change a result: every transpose,
-  // beta, a triangle, one thread and two, the shapes ragged for both tiles.
+#ifdef TG_SGEMM_AVX512
+TEST_CASE("the AVX2 and AVX-512 products give the same bits, with either AVX-512 tile") {
+  // All cut K into the same blocks and sum each element of C as one chain of FMAs over k in order
+  // (kernels/sgemm_avx512.h), so neither the instruction set nor the tile changes a result: every
+  // transpose, beta, a triangle, one thread and two, the shapes ragged for all three tiles.
   if (!kernels::cpu_has_avx512()) return;
   const int before = get_num_threads();
   Generator g(47);
@@ -310,8 +314,9 @@ TEST_CASE("the AVX2 and AVX-512 products give the same bits") {
             Tensor B = randn(tb ? Shape{N, K} : Shape{K, N}, float32, &g);
             Tensor C0 = randn({M, N}, float32, &g);
             std::vector<Tensor> out;
-            for (kernels::Isa level : {kernels::Isa::avx2, kernels::Isa::avx512}) {
-              IsaScope scope(level);
+            for (int run = 0; run < 3; ++run) {  // avx2, then avx512 with each tile
+              IsaScope scope(run == 0 ? kernels::Isa::avx2 : kernels::Isa::avx512);
+              TileScope tile(kTiles[run == 2 ? 1 : 0]);
               Tensor C = C0.clone(), T = C0.clone();
               kernels::gemm<float>(ta, tb, M, N, K, 1.25f, A.data<float>(), A.size(1), B.data<float>(), B.size(1), beta,
                                    C.data<float>(), N);
@@ -322,11 +327,27 @@ TEST_CASE("the AVX2 and AVX-512 products give the same bits") {
             }
             INFO("threads=" << threads << " ta=" << ta << " tb=" << tb << " M=" << M << " N=" << N << " K=" << K
                             << " beta=" << beta);
-            CHECK(max_abs_diff(out[0], out[2]) == 0.0);
-            CHECK(max_abs_diff(out[1], out[3]) == 0.0);
+            for (int run = 1; run < 3; ++run) {
+              INFO("avx512 tile " << run);
+              CHECK(max_abs_diff(out[0], out[2 * run]) == 0.0);
+              CHECK(max_abs_diff(out[1], out[2 * run + 1]) == 0.0);
+            }
           }
   set_num_threads(before);
 }
+
+TEST_CASE("the AVX-512 tile is the CPU's own unless set, and is restored") {
+  namespace s5 = kernels::sgemm_avx512;
+  CHECK(s5::tile() == s5::default_tile());
+  CHECK(s5::default_tile() ==
+        (__builtin_cpu_is("intel") ? s5::TileShape::wide_8x48 : s5::TileShape::tall_14x32));
+  for (s5::TileShape shape : kTiles) {
+    TileScope scope(shape);
+    CHECK(s5::tile() == shape);
+  }
+  CHECK(s5::tile() == s5::default_tile());
+}
+#endif
 
 TEST_CASE("TAPEGRAD_ISA names an instruction set, and an unknown name or one the CPU lacks is refused") {
   using kernels::Isa;
@@ -428,13 +449,13 @@ TEST_CASE("gemm_tri skips a zero triangle of op(A) or an unneeded triangle of C 
 
 TEST_CASE("each instruction set runs its own tile: gemm_tri's lower_c leaves exactly the tiles above the diagonal") {
   // lower_c leaves the elements of C in tiles wholly above the diagonal as they were (kernels/gemm.h):
-  // which elements those are shows the tile in use, 6 x 16 for avx2, 14 x 32 for avx512 (tiles start
-  // at multiples of their size); portable makes the whole product.
+  // which elements those are shows the tile in use, 6 x 16 for avx2, 14 x 32 or 8 x 48 for avx512
+  // (tiles start at multiples of their size); portable makes the whole product.
   const int before = get_num_threads();
   set_num_threads(1);
   Generator g(48);
   each_isa(kProducts, [&](kernels::Isa level) {
-    const int MR = level == kernels::Isa::avx512 ? 14 : 6, NR = level == kernels::Isa::avx512 ? 32 : 16;
+    const auto [MR, NR] = product_tile(level);
     const int T = 70, hs = 8;
     Tensor q = randn({T, hs}, float32, &g), k = randn({T, hs}, float32, &g), C = full({T, T}, 7.0, float32);
     kernels::gemm_tri<float>(kernels::Tri::lower_c, false, true, T, T, hs, 1.0f, q.data<float>(), hs, k.data<float>(),
