@@ -40,7 +40,7 @@ T zero_c(T beta, std::int64_t M, std::int64_t N, T* C, std::int64_t ldc) {
   return T(1);
 }
 
-// Our own float32 product for the instruction set in use (isa.h): AVX-512's 14 x 32 tile or
+// Our own float32 product for the instruction set in use (isa.h): AVX-512's 14 x 32 or 8 x 48 tile or
 // AVX2's 6 x 16 (sgemm_avx512.h, sgemm_avx2.h say why), through one driver; null on CPUs with
 // neither, whose float32 products go to OpenBLAS.
 struct OwnSgemm {

@@ -6,7 +6,7 @@
 // The levels are ordered, each implying the ones before it:
 //   portable     loops any compiler vectorises for the build's target, float32 products through OpenBLAS;
 //   avx2         AVX2 + FMA: our own float32 product, 6 x 16 register tile (sgemm_avx2.h);
-//   avx512       AVX-512F: our own float32 product, 14 x 32 register tile (sgemm_avx512.h);
+//   avx512       AVX-512F: our own float32 product, 14 x 32 or 8 x 48 register tile (sgemm_avx512.h);
 //   avx512_bf16  AVX-512F + AVX512_BF16: bf16 products (vdpbf16ps) as well;
 //   amx_bf16     AVX512_BF16 + AMX-BF16 (Intel's tile unit, Sapphire Rapids on): bf16 products on
 //                16 x 16 tiles (tdpbf16ps), about four times vdpbf16ps's rate. The operating system

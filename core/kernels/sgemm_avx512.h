@@ -16,11 +16,11 @@
 //   the loads, and 24 or more independent accumulators cover the FMA latency (4 cycles x 2 pipes
 //   needs 8) several times over.
 // - Which tile runs is chosen at run time from the CPU, as the instruction set is: 8 x 48 on
-//   Intel, 14 x 32 on the others. On an Intel Xeon (family 6, model 207) the wide tile ran the
-//   GPT-2-small products 2-4% faster and the medium ones' weight gradients up to 15% faster, and
-//   the training step 1.4-1.8% faster (docs/performance.md). On AMD's Zen 4, where an AVX-512 FMA
-//   takes the two 256-bit pipes, the 14 x 32 tile is the one measured there; the wide tile is not.
-// // - A panel of B is kc x 128 or kc x 192 bytes: 96 or 144 KB at kc = 768, streamed from L2 in order.
+//   Intel, 14 x 32 on the others. On an Intel Xeon (family 6, model 207) the wide tile ran each of
+//   the GPT's 24 weight products 1-17% faster (geometric mean 4%) and the training step 1-2%
+//   faster (docs/performance.md). AMD's CPUs keep the 14 x 32 tile, the one measured on Zen 4
+//   (whose AVX-512 FMA runs on two 256-bit halves); the wide tile has not been measured there.
+// - A panel of B is kc x 128 or kc x 192 bytes: 96 or 144 KB at kc = 768, streamed from L2 in order.
 // - K blocks are as the AVX2 product's (kc <= 768, the same cut of K), and every element of C is
 //   one chain of FMAs over k in order in each, so the two tiles and the AVX2 product give the same
 //   bits, and the choice of tile never changes a result.

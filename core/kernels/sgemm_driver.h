@@ -145,10 +145,10 @@ struct Driver {
   // Whether MR rows of A, lda floats apart, read in place, crowd into one set of a 64-set L1 of
   // 64-byte lines (Zen 4's 32 KB 8-way, Zen 5's and recent Intel's 48 KB 12-way) beyond 8, the
   // smallest of those associativities: a stride of 3,072 floats (12 KB) puts all 14 rows of the
-  // AVX-512 tile in one set, and each k step then misses in L1. Such rows are packed instead
+  // AVX-512 14 x 32 tile in one set, and each k step then misses in L1. Such rows are packed instead
   // (pack_a_rows): the same values in the same order, so the same bits. Fewer rows per set are read
   // in place, where packing costs more than the misses it saves (docs/matmul.md, measured in
-  // docs/performance.md). Only a tile of more than 8 rows (the AVX-512 one) can crowd a set so.
+  // docs/performance.md). Only a tile of more than 8 rows (AVX-512's 14 x 32) can crowd a set so.
   static bool rows_crowd_l1(i64 lda) {
     int in_set[64] = {};
     for (int i = 0; i < MR; ++i)
