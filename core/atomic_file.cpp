@@ -23,7 +23,23 @@ std::string errno_text(int err) { return std::error_code(err, std::generic_categ
 
 std::string atomic_temp_name(const std::string& path) {
   static std::atomic<unsigned long> writes{0};
-  return path + "." + std::to_string(::getpid()) + "." + std::to_string(writes.fetch_add(1)) + ".tmp";
+  std::string suffix = ".";  // appended piece by piece: GCC 12 warns (-Wrestrict) wrongly on "." + std::string
+  suffix += std::to_string(::getpid()) + "." + std::to_string(writes.fetch_add(1)) + ".tmp";
+  // The longest file name the directory takes (NAME_MAX, 255 bytes on most file systems; less on
+  // some): a name near it would leave no room for the suffix, and the save would fail although
+  // path itself is valid. The temporary name then keeps as much of the file name as fits, cut at
+  // a UTF-8 character's start.
+  const std::size_t slash = path.rfind('/');
+  const std::size_t start = slash == std::string::npos ? 0 : slash + 1;
+  const std::string dir = start == 0 ? "." : start == 1 ? "/" : path.substr(0, start - 1);
+  const long most = ::pathconf(dir.c_str(), _PC_NAME_MAX);
+  const std::size_t limit = most > 0 ? static_cast<std::size_t>(most) : 255;
+  std::size_t keep = path.size() - start;
+  if (keep + suffix.size() > limit) {
+    keep = limit > suffix.size() ? limit - suffix.size() : 1;
+    while (keep > 1 && (static_cast<unsigned char>(path[start + keep]) & 0xC0) == 0x80) --keep;
+  }
+  return path.substr(0, start + keep) + suffix;
 }
 
 void write_all(int fd, const char* p, std::size_t n, const std::string& ctx) {

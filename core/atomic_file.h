@@ -9,7 +9,8 @@ namespace tg::detail {
 
 // The temporary file a write of path goes through: "<path>.<pid>.<n>.tmp", n counting this
 // process's writes, so that no two writes share one (two processes, or two threads, saving the
-// same path each rename a whole file of their own; the last rename wins).
+// same path each rename a whole file of their own; the last rename wins). Where the file name and
+// the suffix would pass the directory's longest name, the file name is cut to make room.
 std::string atomic_temp_name(const std::string& path);
 
 // Writes path through atomic_temp_name(path): body(fd) writes the bytes, then the file is

@@ -332,6 +332,25 @@ std::string BpeTokenizer::to_tokenizer_json() const {
   return s;
 }
 
+namespace {
+// path + suffix, with path's file name cut (at a UTF-8 character's start) where the two would pass
+// the longest name its directory takes (NAME_MAX: 255 bytes on most file systems), so that a
+// valid path near that length still has a temporary file beside it.
+std::string temp_name(const std::string& path, const std::string& suffix) {
+  const std::size_t slash = path.rfind('/');
+  const std::size_t start = slash == std::string::npos ? 0 : slash + 1;
+  const std::string dir = start == 0 ? "." : start == 1 ? "/" : path.substr(0, start - 1);
+  const long most = ::pathconf(dir.c_str(), _PC_NAME_MAX);
+  const std::size_t limit = most > 0 ? static_cast<std::size_t>(most) : 255;
+  std::size_t keep = path.size() - start;
+  if (keep + suffix.size() > limit) {
+    keep = limit > suffix.size() ? limit - suffix.size() : 1;
+    while (keep > 1 && (static_cast<unsigned char>(path[start + keep]) & 0xC0) == 0x80) --keep;
+  }
+  return path.substr(0, start + keep) + suffix;
+}
+}  // namespace
+
 // Through a temporary file beside path, fsync'ed, renamed over it, then the directory fsync'ed:
 // a write that fails (a full disk) or a process killed mid-write leaves an earlier file at path as
 // it was, and a completed save survives a power cut. The file is created 0666 less the umask, as
@@ -341,7 +360,9 @@ void BpeTokenizer::save(const std::string& path) const {
   constexpr const char* fn = "BpeTokenizer::save";
   static std::atomic<unsigned> saves{0};
   const std::string text = to_tokenizer_json();
-  const std::string tmp = path + "." + std::to_string(::getpid()) + "." + std::to_string(saves++) + ".tmp";
+  std::string suffix = ".";  // appended piece by piece: GCC 12 warns (-Wrestrict) wrongly on "." + std::string
+  suffix += std::to_string(::getpid()) + "." + std::to_string(saves++) + ".tmp";
+  const std::string tmp = temp_name(path, suffix);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0) fail(fn, "cannot write '", path, "': no temporary file beside it: ", std::strerror(errno));
   try {

@@ -417,6 +417,27 @@ TEST_CASE("save_safetensors is atomic and cleans up after failures", "[io]") {
     for (const std::string& f : left) CHECK(read_bytes(f) == "a killed writer's");
     CHECK(names().size() == 6);
   }
+  SECTION("a file name as long as the directory takes still has a temporary file beside it") {
+    // NAME_MAX (255 bytes on most file systems): "<name>.<pid>.<n>.tmp" would pass it, so the
+    // temporary name cuts the file name, at a UTF-8 character's start.
+    const long most = ::pathconf(tmp.dir.c_str(), _PC_NAME_MAX);
+    REQUIRE(most > 20);
+    const std::string name = std::string(static_cast<std::size_t>(most) - 12, 'm') + ".safetensors";
+    save_safetensors(tmp.path(name), sd);
+    CHECK(read_bytes(tmp.path(name)) == to_safetensors_bytes(sd));
+    CHECK(names() == std::vector<std::string>{name});
+    std::string wide;  // "\u00e9" is two bytes: 0xC3 0xA9
+    while (wide.size() + 2 <= static_cast<std::size_t>(most)) wide += "\u00e9";
+    const std::string t = tg::detail::atomic_temp_name(tmp.path(wide));
+    const std::string base = t.substr(t.rfind('/') + 1);
+    CHECK(base.size() <= static_cast<std::size_t>(most));
+    const std::string kept = base.substr(0, base.find('.'));
+    CHECK(kept.size() % 2 == 0);  // whole characters only
+    CHECK(kept.size() + 20 >= base.size());
+    save_safetensors(tmp.path(wide), sd);
+    CHECK(read_bytes(tmp.path(wide)) == to_safetensors_bytes(sd));
+    CHECK(names().size() == 2);
+  }
   SECTION("write_file_atomic writes any bytes the same way") {
     const std::string path = tmp.path("notes.txt");
     write_file_atomic(path, "first");

@@ -74,6 +74,16 @@ TEST_CASE("tokenizer.json: load() reads the file, save() writes it", "[text]") {
   CHECK_THAT(error_of([&] { BpeTokenizer::load(tmp.path("missing.json")); }),
              Catch::Contains("BpeTokenizer::load") && Catch::Contains("cannot open"));
   CHECK_THAT(error_of([&] { t.save(tmp.path("no/such/dir/tokenizer.json")); }), Catch::Contains("cannot write"));
+  // A file name as long as the directory takes (NAME_MAX, 255 bytes on most file systems): the
+  // temporary file beside it cuts the name to make room for its suffix.
+  const long most = ::pathconf(tmp.dir.c_str(), _PC_NAME_MAX);
+  REQUIRE(most > 20);
+  const std::string longest = tmp.path(std::string(static_cast<std::size_t>(most) - 5, 't') + ".json");
+  t.save(longest);
+  CHECK(BpeTokenizer::load(longest).encode(kSample) == t.encode(kSample));
+  std::size_t files = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(tmp.dir)) ++files;
+  CHECK(files == 2);
 }
 
 TEST_CASE("tokenizer.json: a save that fails (the file size limit, as a full disk) keeps the earlier file", "[text]") {
