@@ -38,7 +38,8 @@ class StateDict {
 
 using Metadata = std::map<std::string, std::string>;
 
-// Writes atomically: to a temporary file of its own beside path ("<path>.<pid>.<n>.tmp"), fsync'ed,
+// Writes atomically: to a temporary file of its own beside path ("<path>.<pid>.<n>.tmp", the file
+// name cut where that would pass the directory's longest name), fsync'ed,
 // then renamed over path, and the directory fsync'ed. A crash never leaves a half-written file
 // under the final name (a process killed mid-write leaves its temporary file), a failure leaves
 // path as it was, and two saves of one path at once each rename a whole file (the last one wins).
