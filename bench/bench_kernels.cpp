@@ -71,6 +71,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -263,7 +264,7 @@ void bm_gemm_isa(benchmark::State& state, ProductCase c, tg::kernels::Isa level,
   tg::manual_seed(4321);
 #ifdef TG_SGEMM_AVX512
   namespace s5 = tg::kernels::sgemm_avx512;
-  const s5::TileShape tile_before = s5::tile();
+  const std::optional<s5::TileShape> tile_before = s5::tile_set();
   if (tile >= 0) s5::set_tile(static_cast<s5::TileShape>(tile));
 #else
   (void)tile;
@@ -487,7 +488,8 @@ void register_medium_products() {
       {"large_fc_dw", true, false, 3072, 768, 2048},     {"large_fc_out_fwd", false, true, 2048, 768, 3072},
       {"large_fc_out_dx", false, false, 2048, 3072, 768}, {"large_fc_out_dw", true, false, 768, 3072, 2048},
       // Where a product loses its peak (docs/performance.md): one row block by one column panel
-      // of B, both resident in cache; then a 2048 x 3072 C at K = 256 and at K = 768.
+      // of B for the 14 x 32 tile (for 8 x 48, 17 tiles and a 4-row edge by a 32-column edge
+      // panel), both resident in cache; then a 2048 x 3072 C at K = 256 and at K = 768.
       {"blocks_resident", false, false, 140, 32, 256}, {"blocks_k256", false, false, 2048, 3072, 256},
       {"blocks_k768", false, false, 2048, 3072, 768},
   };

@@ -53,7 +53,8 @@ void write_all(int fd, const char* p, std::size_t n, const std::string& ctx) {
 }
 
 void write_atomically(const std::string& path, const std::string& ctx, const std::function<void(int fd)>& body) {
-  // A name taken (a file a killed process of the same pid left) moves on to the next count.
+  // A name taken (a file a killed process of the same pid left, or another writer's whose long
+  // name was cut to the same start) moves on to the next count.
   std::string tmp;
   int fd = -1;
   for (int attempt = 0; fd < 0 && attempt < 1000; ++attempt) {

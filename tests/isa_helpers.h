@@ -3,6 +3,7 @@
 // (which see the library's internal headers).
 #include <catch2/catch.hpp>
 #include <initializer_list>
+#include <optional>
 #include <utility>
 
 #include "kernels/isa.h"
@@ -20,10 +21,10 @@ struct IsaScope {
 };
 
 #ifdef TG_SGEMM_AVX512
-// Sets the AVX-512 product's register tile for a scope (kernels/sgemm_avx512.h) and restores the
-// one in use.
+// Sets the AVX-512 product's register tile for a scope (kernels/sgemm_avx512.h), then goes back to
+// what was set before (nothing, usually: the environment's or the CPU's tile).
 struct TileScope {
-  tg::kernels::sgemm_avx512::TileShape saved = tg::kernels::sgemm_avx512::tile();
+  std::optional<tg::kernels::sgemm_avx512::TileShape> saved = tg::kernels::sgemm_avx512::tile_set();
   explicit TileScope(tg::kernels::sgemm_avx512::TileShape shape) { tg::kernels::sgemm_avx512::set_tile(shape); }
   ~TileScope() { tg::kernels::sgemm_avx512::set_tile(saved); }
   TileScope(const TileScope&) = delete;

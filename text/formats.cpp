@@ -360,10 +360,17 @@ void BpeTokenizer::save(const std::string& path) const {
   constexpr const char* fn = "BpeTokenizer::save";
   static std::atomic<unsigned> saves{0};
   const std::string text = to_tokenizer_json();
-  std::string suffix = ".";  // appended piece by piece: GCC 12 warns (-Wrestrict) wrongly on "." + std::string
-  suffix += std::to_string(::getpid()) + "." + std::to_string(saves++) + ".tmp";
-  const std::string tmp = temp_name(path, suffix);
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  // A name taken (by a killed process of the same pid, or another writer whose long name was cut
+  // to the same start) moves on to the next count.
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; fd < 0 && attempt < 1000; ++attempt) {
+    std::string suffix = ".";  // appended piece by piece: GCC 12 warns (-Wrestrict) wrongly on "." + std::string
+    suffix += std::to_string(::getpid()) + "." + std::to_string(saves++) + ".tmp";
+    tmp = temp_name(path, suffix);
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0 && errno != EEXIST) break;
+  }
   if (fd < 0) fail(fn, "cannot write '", path, "': no temporary file beside it: ", std::strerror(errno));
   try {
     for (std::size_t done = 0; done < text.size();) {

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/sgemm_avx512.h"
 #include "tapegrad/error.h"
 
 #if defined(TG_KERNELS_X86)
@@ -92,6 +93,11 @@ Isa isa() {
   int v = g_isa.load(std::memory_order_relaxed);
   if (v < 0) {  // first call: every thread that races here computes the same value
     v = static_cast<int>(parse_isa(std::getenv("TAPEGRAD_ISA")));
+#ifdef TG_SGEMM_AVX512
+    // TAPEGRAD_SGEMM_TILE is read here too, before any product, so that a bad value throws where
+    // a bad TAPEGRAD_ISA does (and again at every call until it is fixed).
+    if (v >= static_cast<int>(Isa::avx512)) sgemm_avx512::tile();
+#endif
     g_isa.store(v, std::memory_order_relaxed);
   }
   return static_cast<Isa>(v);

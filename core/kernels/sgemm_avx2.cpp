@@ -29,8 +29,8 @@ struct Tile {
   // (six rows of A read in place); else a(i, k) = A[k * lda + i] (a packed panel, lda = 6).
   // Written out by hand, one named register per accumulator and one pointer per row of A: the same
   // loop over arrays (c[6][2], A + i * lda) compiles to indexed addressing, which is slower on the
-  // GPT's shapes. (The AVX-512 tile's 14 rows cannot each have a pointer in 16 general registers:
-  // it is written over arrays.)
+  // GPT's shapes. (The AVX-512 tiles are written over arrays, for either shape: the 14 x 32
+  // tile's 14 rows cannot each have a pointer in 16 general registers.)
   template <bool ROWS>
   static void kernel(i64 kc, const float* __restrict A, i64 lda, const float* __restrict Bp, float* C, i64 ldc,
                      float alpha, float beta, int mv, int nv) {

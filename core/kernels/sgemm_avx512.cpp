@@ -3,24 +3,54 @@
 #include "kernels/sgemm_avx512.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+
+#include "tapegrad/error.h"
 
 #ifdef TG_SGEMM_AVX512
 namespace tg::kernels::sgemm_avx512 {
 
 namespace {
-// The tile set_tile chose, or -1 for the CPU's own. These few functions are compiled outside the
-// AVX-512 target below: tests and benches ask for the tile on any CPU.
+// The tile set_tile chose, or -1 for none. These few functions are compiled outside the AVX-512
+// target below: tests and benches ask for the tile on any CPU.
 std::atomic<int> g_tile{-1};
+
+// TAPEGRAD_SGEMM_TILE's tile, or nullopt when it is unset or empty: read once (a value that throws
+// is read again at the next call, and throws again).
+std::optional<TileShape> env_tile() {
+  static const std::optional<TileShape> t = []() -> std::optional<TileShape> {
+    const char* v = std::getenv("TAPEGRAD_SGEMM_TILE");
+    if (!v || !*v) return std::nullopt;
+    return parse_tile(v);
+  }();
+  return t;
+}
 }  // namespace
 
 TileShape default_tile() {
   return __builtin_cpu_is("intel") ? TileShape::wide_8x48 : TileShape::tall_14x32;  // sgemm_avx512.h says why
 }
-TileShape tile() {
-  const int t = g_tile.load(std::memory_order_relaxed);
-  return t < 0 ? default_tile() : static_cast<TileShape>(t);
+TileShape parse_tile(const char* v) {
+  if (!v || !*v) return default_tile();
+  if (std::strcmp(v, "14x32") == 0) return TileShape::tall_14x32;
+  if (std::strcmp(v, "8x48") == 0) return TileShape::wide_8x48;
+  fail("TAPEGRAD_SGEMM_TILE", "unknown AVX-512 tile '", v, "' (expected 14x32 or 8x48)");
 }
-void set_tile(TileShape shape) { g_tile.store(static_cast<int>(shape), std::memory_order_relaxed); }
+TileShape tile() {
+  if (const std::optional<TileShape> t = tile_set()) return *t;
+  if (const std::optional<TileShape> e = env_tile()) return *e;
+  return default_tile();
+}
+void set_tile(std::optional<TileShape> shape) {
+  g_tile.store(shape ? static_cast<int>(*shape) : -1, std::memory_order_relaxed);
+}
+std::optional<TileShape> tile_set() {
+  const int t = g_tile.load(std::memory_order_relaxed);
+  if (t < 0) return std::nullopt;
+  return static_cast<TileShape>(t);
+}
 int tile_rows(TileShape shape) { return shape == TileShape::wide_8x48 ? 8 : 14; }
 int tile_cols(TileShape shape) { return shape == TileShape::wide_8x48 ? 48 : 32; }
 
@@ -103,6 +133,7 @@ struct Tile {
 using Tall = sgemm_driver::Driver<Tile<14, 2, 140, 2048>>;
 // 8 x 48: 144 x 768 floats of A = 432 KB a block; 2016 columns (42 panels) of B at once.
 using Wide = sgemm_driver::Driver<Tile<8, 3, 144, 2016>>;
+static_assert(Tall::MR == 14 && Tall::NR == 32 && Wide::MR == 8 && Wide::NR == 48, "as tile_rows and tile_cols say");
 
 }  // namespace
 

@@ -4,30 +4,31 @@
 // kernels::gemm<float>, gemm_pair and gemm_tri (gemm.cpp) when kernels::isa() is avx512 or above
 // (isa.h); docs/matmul.md walks through it.
 //
-// - Two register tiles, both using 31 of the 32 zmm registers:
+// - Two register tiles, using 31 and 28 of the 32 zmm registers:
 //   - 14 x 32: 28 accumulators (two 16-float registers per row), two for the row of B, one for
 //     the broadcast of a(i, k). Each k step does 28 FMAs for 2 loads of B and 14 broadcasts.
 //   - 8 x 48: 24 accumulators (three per row), three for the row of B, one for the broadcast.
 //     Each k step does 24 FMAs for 3 loads of B and 8 broadcasts: 11 loads where the tall tile
-//     has 16, for 4 FMAs fewer. And 8 divides every width of the GPT (384, 768, 1152, 2304, 3072)
-//     and its 2048 rows of tokens, where 14 divides none of them, so the wide tile wastes fewer
-//     lanes on edge tiles: the weight gradients' M is a width.
+//     has 16, for 4 FMAs fewer.
 //   Either way the loop is bound by the FMAs (14 or 12 cycles on two 512-bit FMA pipes), not by
 //   the loads, and 24 or more independent accumulators cover the FMA latency (4 cycles x 2 pipes
 //   needs 8) several times over.
 // - Which tile runs is chosen at run time from the CPU, as the instruction set is: 8 x 48 on
-//   Intel, 14 x 32 on the others. On an Intel Xeon (family 6, model 207) the wide tile ran each of
-//   the GPT's 24 weight products 1-17% faster (geometric mean 4%) and the training step 1-2%
-//   faster (docs/performance.md). AMD's CPUs keep the 14 x 32 tile, the one measured on Zen 4
-//   (whose AVX-512 FMA runs on two 256-bit halves); the wide tile has not been measured there.
+//   Intel, 14 x 32 on the others; TAPEGRAD_SGEMM_TILE=14x32|8x48 chooses instead. On an Intel Xeon
+//   (family 6, model 207) the wide tile runs each of the GPT's twelve weight products, at the
+//   medium and the GPT-2-small size, 1-17% faster (geometric mean 4%) and the training step 1-2%
+//   faster (measured in docs/performance.md). AMD's CPUs keep the 14 x 32 tile, the one measured
+//   on Zen 4 (whose AVX-512 FMA runs on two 256-bit halves); the wide tile is not measured there.
 // - A panel of B is kc x 128 or kc x 192 bytes: 96 or 144 KB at kc = 768, streamed from L2 in order.
 // - K blocks are as the AVX2 product's (kc <= 768, the same cut of K), and every element of C is
 //   one chain of FMAs over k in order in each, so the two tiles and the AVX2 product give the same
-//   bits, and the choice of tile never changes a result.
+//   bits wherever the caller reads C (gemm.h: a triangle's skipped tiles are the caller's to
+//   ignore), and the choice of tile does not change a result.
 //
 // Compiled for AVX-512F whatever the build's -march (sgemm_driver.h says how), on compilers that
 // can (TG_KERNELS_X86, isa.h); called only where the CPU has it.
 #include <cstdint>
+#include <optional>
 
 #include "kernels/gemm.h"
 #include "kernels/isa.h"
@@ -40,11 +41,18 @@ namespace tg::kernels::sgemm_avx512 {
 enum class TileShape { tall_14x32, wide_8x48 };
 // The CPU's tile: wide_8x48 on Intel, tall_14x32 on the others (above).
 TileShape default_tile();
-// The tile in use: set_tile's, else default_tile().
+// The tile a value of TAPEGRAD_SGEMM_TILE names: "14x32" or "8x48"; default_tile() for null or
+// empty; throws tg::Error naming the value for anything else.
+TileShape parse_tile(const char* value);
+// The tile in use: set_tile's if set, else TAPEGRAD_SGEMM_TILE's (read at the first call; a bad
+// value makes every call throw tg::Error, never silently run another tile), else default_tile().
 TileShape tile();
-// Sets the tile for the whole process, for tests and benches (every tile runs on every AVX-512
-// CPU). Not to be called while another thread is inside a product.
-void set_tile(TileShape shape);
+// Sets the tile for the whole process (every tile runs on every AVX-512 CPU), or with nullopt
+// goes back to the environment's or the CPU's. For tests and benches: not to be called while
+// another thread is inside a product.
+void set_tile(std::optional<TileShape> shape);
+// What set_tile set: nullopt when the tile is the environment's or the CPU's.
+std::optional<TileShape> tile_set();
 int tile_rows(TileShape shape);  // 14 or 8
 int tile_cols(TileShape shape);  // 32 or 48
 

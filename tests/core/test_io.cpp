@@ -426,17 +426,23 @@ TEST_CASE("save_safetensors is atomic and cleans up after failures", "[io]") {
     save_safetensors(tmp.path(name), sd);
     CHECK(read_bytes(tmp.path(name)) == to_safetensors_bytes(sd));
     CHECK(names() == std::vector<std::string>{name});
-    std::string wide;  // "\u00e9" is two bytes: 0xC3 0xA9
-    while (wide.size() + 2 <= static_cast<std::size_t>(most)) wide += "\u00e9";
-    const std::string t = tg::detail::atomic_temp_name(tmp.path(wide));
-    const std::string base = t.substr(t.rfind('/') + 1);
-    CHECK(base.size() <= static_cast<std::size_t>(most));
-    const std::string kept = base.substr(0, base.find('.'));
-    CHECK(kept.size() % 2 == 0);  // whole characters only
-    CHECK(kept.size() + 20 >= base.size());
-    save_safetensors(tmp.path(wide), sd);
-    CHECK(read_bytes(tmp.path(wide)) == to_safetensors_bytes(sd));
-    CHECK(names().size() == 2);
+    // A name of two-byte characters: the cut falls inside one character or between two, by the
+    // suffix's length (the pid's digits), so once with a one-byte prefix and once without.
+    for (const std::string prefix : {"", "p"}) {
+      std::string wide = prefix;  // "\u00e9" is two bytes: 0xC3 0xA9
+      while (wide.size() + 2 <= static_cast<std::size_t>(most)) wide += "\u00e9";
+      const std::string t = tg::detail::atomic_temp_name(tmp.path(wide));
+      const std::string base = t.substr(t.rfind('/') + 1);
+      const std::string kept = base.substr(0, base.find('.'));
+      INFO("prefix '" << prefix << "', " << base.size() << " bytes, kept " << kept.size());
+      CHECK(base.size() <= static_cast<std::size_t>(most));
+      CHECK(base.size() + 1 >= static_cast<std::size_t>(most));  // at most one byte short: half a character
+      CHECK((kept.size() - prefix.size()) % 2 == 0);                // whole characters only
+      CHECK(wide.compare(0, kept.size(), kept) == 0);
+      save_safetensors(tmp.path(wide), sd);
+      CHECK(read_bytes(tmp.path(wide)) == to_safetensors_bytes(sd));
+    }
+    CHECK(names().size() == 3);
   }
   SECTION("write_file_atomic writes any bytes the same way") {
     const std::string path = tmp.path("notes.txt");

@@ -1,6 +1,7 @@
 // matmul: the BLAS path against the naive reference, every transpose and batch layout, gradients.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <initializer_list>
 #include <limits>
 #include <string>
@@ -247,9 +248,10 @@ TEST_CASE("float32 gemm and gemm_pair give the same bits for any team size") {
 TEST_CASE("A's rows read in place or packed because their stride crowds L1's sets give the same bits") {
   // kernels/sgemm_driver.h reads MR rows of A in place unless their stride would put more than
   // eight of them in one set of L1 (rows_crowd_l1); then it packs them. The same values, once at
-  // lda = K and once at lda = 1024 floats (4 KB: every row in one set, so the AVX-512 tile's 14 rows
-  // are packed), with gemm and gemm_tri, at 1 and 2 threads: the same bits, and the naive
-  // reference's values.
+  // lda = K and once at lda = 1024 floats (4 KB: every row in one set, so the AVX-512 14 x 32
+  // tile's 14 rows are packed; 8 rows never crowd a set, and 8 x 48 reads them in place both
+  // times), with gemm and gemm_tri, at 1 and 2 threads: the same bits, and the naive reference's
+  // values.
   each_isa(kProducts, [&](kernels::Isa level) {
     if (level == kernels::Isa::portable) return;  // OpenBLAS's own packing
     const int before = get_num_threads();
@@ -336,16 +338,48 @@ TEST_CASE("the AVX2 and AVX-512 products give the same bits, with either AVX-512
   set_num_threads(before);
 }
 
-TEST_CASE("the AVX-512 tile is the CPU's own unless set, and is restored") {
+TEST_CASE("the AVX-512 tile is the CPU's own unless set or named, and an unknown name is refused") {
   namespace s5 = kernels::sgemm_avx512;
-  CHECK(s5::tile() == s5::default_tile());
-  CHECK(s5::default_tile() ==
-        (__builtin_cpu_is("intel") ? s5::TileShape::wide_8x48 : s5::TileShape::tall_14x32));
-  for (s5::TileShape shape : kTiles) {
-    TileScope scope(shape);
-    CHECK(s5::tile() == shape);
+  CHECK_FALSE(s5::tile_set().has_value());  // each_isa's scopes leave nothing set
+  CHECK(s5::parse_tile("14x32") == s5::TileShape::tall_14x32);
+  CHECK(s5::parse_tile("8x48") == s5::TileShape::wide_8x48);
+  CHECK(s5::parse_tile(nullptr) == s5::default_tile());
+  CHECK(s5::parse_tile("") == s5::default_tile());
+  for (const char* bad : {"8x32", "14X32", " 8x48", "wide"}) {
+    INFO("value=" << bad);
+    REQUIRE_TG_ERROR(s5::parse_tile(bad), "TAPEGRAD_SGEMM_TILE", bad);
   }
-  CHECK(s5::tile() == s5::default_tile());
+  // The tile in use is the environment's when it names one: ctest runs this binary without it, and
+  // this test also with 8x48, 14x32 and a bad name (tests/CMakeLists.txt). A bad name makes every
+  // product at avx512 throw, naming it, and never run a tile.
+  const char* env = std::getenv("TAPEGRAD_SGEMM_TILE");
+  bool env_ok = true;
+  try {
+    s5::parse_tile(env);
+  } catch (const Error&) {
+    env_ok = false;
+  }
+  if (!env_ok) {  // this test alone runs, so isa() reads the environment here (kernels/isa.h)
+    REQUIRE_TG_ERROR(s5::tile(), "TAPEGRAD_SGEMM_TILE", env);
+    if (kernels::cpu_has_avx512()) {
+      REQUIRE_TG_ERROR(kernels::isa(), "TAPEGRAD_SGEMM_TILE", env);
+      std::vector<float> a(64, 1.0f), c(64, 7.0f);
+      REQUIRE_TG_ERROR(kernels::gemm<float>(false, false, 8, 8, 8, 1.0f, a.data(), 8, a.data(), 8, 0.0f, c.data(), 8),
+                       "TAPEGRAD_SGEMM_TILE", env);
+      CHECK(c == std::vector<float>(64, 7.0f));  // C untouched
+    }
+    return;
+  }
+  CHECK(s5::tile() == s5::parse_tile(env));
+  for (s5::TileShape shape : kTiles) {
+    {
+      TileScope scope(shape);
+      CHECK(s5::tile() == shape);
+      CHECK(s5::tile_set() == shape);
+    }
+    CHECK_FALSE(s5::tile_set().has_value());
+    CHECK(s5::tile() == s5::parse_tile(env));
+  }
 }
 #endif
 

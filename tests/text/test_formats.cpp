@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -84,6 +85,17 @@ TEST_CASE("tokenizer.json: load() reads the file, save() writes it", "[text]") {
   std::size_t files = 0;
   for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(tmp.dir)) ++files;
   CHECK(files == 2);
+  // Temporary names already taken (a killed save of this pid left them) are passed over, and kept.
+  const std::string taken = tmp.path("taken.json") + "." + std::to_string(::getpid()) + ".";
+  for (int n = 0; n < 300; ++n) {
+    std::ofstream f(taken + std::to_string(n) + ".tmp");
+    f << "a killed save's";
+  }
+  t.save(tmp.path("taken.json"));
+  CHECK(BpeTokenizer::load(tmp.path("taken.json")).encode(kSample) == t.encode(kSample));
+  files = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(tmp.dir)) ++files;
+  CHECK(files == 303);
 }
 
 TEST_CASE("tokenizer.json: a save that fails (the file size limit, as a full disk) keeps the earlier file", "[text]") {

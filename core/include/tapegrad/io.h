@@ -39,10 +39,10 @@ class StateDict {
 using Metadata = std::map<std::string, std::string>;
 
 // Writes atomically: to a temporary file of its own beside path ("<path>.<pid>.<n>.tmp", the file
-// name cut where that would pass the directory's longest name), fsync'ed,
-// then renamed over path, and the directory fsync'ed. A crash never leaves a half-written file
-// under the final name (a process killed mid-write leaves its temporary file), a failure leaves
-// path as it was, and two saves of one path at once each rename a whole file (the last one wins).
+// name cut where that would pass the directory's longest name), fsync'ed, then renamed over path,
+// and the directory fsync'ed. A crash never leaves a half-written file under the final name (a
+// process killed mid-write leaves its temporary file), a failure leaves path as it was, and two
+// saves of one path at once each rename a whole file (the last one wins).
 // The file is a new one (PyTorch's torch.save writes into an existing file): it takes the
 // permission bits of the regular file it replaces, else 0644 less the umask; a symbolic link at
 // path is replaced, not followed, and a hard link's other names keep the old file. Throws
