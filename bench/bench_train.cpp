@@ -2,7 +2,8 @@
 // timed, printing one JSON line with the keys of the PyTorch reference (../shared/bench/torch_gpt.py):
 //   framework, norm, threads, steps, ms_per_step_median, tokens_per_s, train_loss, val_loss, peak_rss_mb,
 //   arch, autocast, params
-// (and peak_tensor_mb, gradient_checkpointing, which the reference does not print)
+// (and peak_tensor_mb, gradient_checkpointing, which the reference does not print; then the MFU
+// and the CPU, and the kernels the step ran on: add_mfu and add_kernels below)
 // and with --sample-tokens N the sampling speed of the model's generate, with and without its
 // KV cache (sample_tokens_per_s, sample_uncached_tokens_per_s: N tokens after a one-token prompt).
 // Under mpirun (mpirun -np N bench_train ...) the ranks train data-parallel as train_lm does, and
@@ -18,6 +19,9 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "kernels/isa.h"
+#include "kernels/sgemm_avx512.h"
+#include "kernels/sgemm_bf16.h"
 #include "lm/trainer.h"
 #include "mfu.h"
 #include "tapegrad/anomaly.h"
@@ -83,6 +87,26 @@ nlohmann::json num(double v, int decimals) {
   return nlohmann::json::parse(buf);
 }
 
+// The kernels the step ran on, chosen at run time from the CPU (or TAPEGRAD_ISA and
+// TAPEGRAD_SGEMM_TILE): "isa" (kernels/isa.h), the float32 product's register tile ("sgemm_tile":
+// 6x16, 14x32 or 8x48; "openblas" at portable) and the bf16 products' path ("bf16_path":
+// emulated, fma, dpbf16 or amx, under --precision bf16; kernels/sgemm_bf16.h), so that a figure
+// names what it measured.
+void add_kernels(nlohmann::ordered_json& j, bool bf16) {
+  namespace k = tg::kernels;
+  const k::Isa level = k::isa();
+  j["isa"] = k::isa_name(level);
+  std::string tile = level >= k::Isa::avx2 ? "6x16" : "openblas";
+#ifdef TG_SGEMM_AVX512
+  if (level >= k::Isa::avx512)
+    tile = std::to_string(k::sgemm_avx512::tile_rows(k::sgemm_avx512::tile())) + "x" +
+           std::to_string(k::sgemm_avx512::tile_cols(k::sgemm_avx512::tile()));
+#endif
+  j["sgemm_tile"] = tile;
+  const char* paths[] = {"emulated", "fma", "dpbf16", "amx"};
+  if (bf16) j["bf16_path"] = paths[static_cast<int>(k::bf16_impl::path_in_use())];
+}
+
 // Model FLOPs utilisation: the step's model FLOPs over its time, as a fraction of this machine's
 // measured peak for the precision, and the CPU. The peak is probed on the run's threads before
 // the run (`before`) and again after it, and the higher of the two counts: a host that shares its
@@ -104,6 +128,7 @@ void add_mfu(nlohmann::ordered_json& j, const Options& o, const lm::RunResult& r
                     "compare with bench_kernels' peak/* on a quiet machine";
   j["cpu"] = bench::cpu_id();
   j["cpu_name"] = bench::cpu_name();
+  add_kernels(j, c.precision == "bf16");
 }
 
 // The JSON keys that torch_gpt.py prints, then tapegrad's own.
