@@ -17,7 +17,8 @@
 // (read at the first call to isa()): a kernel above it is not used even where the CPU has it. A
 // value the CPU cannot run, or an unknown name, makes isa() throw tg::Error naming the value and
 // what the CPU supports; it never silently runs something else. TAPEGRAD_SGEMM_TILE = 14x32 | 8x48,
-// the AVX-512 product's register tile (sgemm_avx512.h), is read and checked at the same call. Tests set the level in-process
+// the AVX-512 product's register tile (sgemm_avx512.h), is read and checked at the same call when
+// the level is avx512 or above (below it, no product runs that tile). Tests set the level in-process
 // with set_isa() to cover every path in one binary.
 // Where the compiler can build the x86 kernels: each is compiled for its own instruction set by a
 // target pragma (sgemm_driver.h), whatever the build's -march, and called only where the CPU has it.
