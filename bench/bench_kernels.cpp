@@ -259,13 +259,13 @@ struct ProductCase {
   bool ta, tb;
   i64 M, N, K;
 };
-// tile: the AVX-512 product's register tile, -1 for the CPU's own (kernels/sgemm_avx512.h).
-void bm_gemm_isa(benchmark::State& state, ProductCase c, tg::kernels::Isa level, bool bf16, int tile) {
+// tile: the AVX-512 product's register tile, "" for the CPU's own (kernels/sgemm_avx512.h).
+void bm_gemm_isa(benchmark::State& state, ProductCase c, tg::kernels::Isa level, bool bf16, std::string tile) {
   tg::manual_seed(4321);
 #ifdef TG_SGEMM_AVX512
   namespace s5 = tg::kernels::sgemm_avx512;
   const std::optional<s5::TileShape> tile_before = s5::tile_set();
-  if (tile >= 0) s5::set_tile(static_cast<s5::TileShape>(tile));
+  if (!tile.empty()) s5::set_tile(s5::parse_tile(tile.c_str()));
 #else
   (void)tile;
 #endif
@@ -495,19 +495,19 @@ void register_medium_products() {
   };
   using tg::kernels::Isa;
   // avx512 runs the CPU's own tile; avx512_14x32 and avx512_8x48 each tile (kernels/sgemm_avx512.h).
-  const std::tuple<Isa, bool, const char*, int> levels[] = {{Isa::avx2, false, "avx2", -1},
-                                                            {Isa::avx512, false, "avx512", -1},
-                                                            {Isa::avx512, false, "avx512_14x32", 0},
-                                                            {Isa::avx512, false, "avx512_8x48", 1},
-                                                            {Isa::avx2, true, "avx2_fma_bf16", -1},
-                                                            {Isa::avx512, true, "avx512_fma_bf16", -1},
-                                                            {Isa::avx512_bf16, true, "avx512_bf16", -1},
-                                                            {Isa::amx_bf16, true, "amx_bf16", -1}};
+  const std::tuple<Isa, bool, const char*, const char*> levels[] = {{Isa::avx2, false, "avx2", ""},
+                                                                     {Isa::avx512, false, "avx512", ""},
+                                                                     {Isa::avx512, false, "avx512_", "14x32"},
+                                                                     {Isa::avx512, false, "avx512_", "8x48"},
+                                                                     {Isa::avx2, true, "avx2_fma_bf16", ""},
+                                                                     {Isa::avx512, true, "avx512_fma_bf16", ""},
+                                                                     {Isa::avx512_bf16, true, "avx512_bf16", ""},
+                                                                     {Isa::amx_bf16, true, "amx_bf16", ""}};
   for (auto [level, bf16, name, tile] : levels)
     if (tg::kernels::cpu_supports(level))
       for (const ProductCase& c : medium)
-        benchmark::RegisterBenchmark(("gemm_isa/" + std::string(c.name) + "/" + name).c_str(), bm_gemm_isa, c, level,
-                                     bf16, tile)
+        benchmark::RegisterBenchmark(("gemm_isa/" + std::string(c.name) + "/" + name + tile).c_str(), bm_gemm_isa, c,
+                                     level, bf16, std::string(tile))
             ->UseRealTime()->MinTime(0.1)->Unit(benchmark::kMicrosecond);
   const std::pair<bench::PeakKind, Isa> peaks[] = {{bench::PeakKind::fma_avx2, Isa::avx2},
                                                    {bench::PeakKind::fma_avx512, Isa::avx512},

@@ -98,9 +98,7 @@ void add_kernels(nlohmann::ordered_json& j, bool bf16) {
   j["isa"] = k::isa_name(level);
   std::string tile = level >= k::Isa::avx2 ? "6x16" : "openblas";
 #ifdef TG_SGEMM_AVX512
-  if (level >= k::Isa::avx512)
-    tile = std::to_string(k::sgemm_avx512::tile_rows(k::sgemm_avx512::tile())) + "x" +
-           std::to_string(k::sgemm_avx512::tile_cols(k::sgemm_avx512::tile()));
+  if (level >= k::Isa::avx512) tile = k::sgemm_avx512::tile_name(k::sgemm_avx512::tile());
 #endif
   j["sgemm_tile"] = tile;
   const char* paths[] = {"emulated", "fma", "dpbf16", "amx"};

@@ -58,8 +58,7 @@ void each_isa(std::initializer_list<tg::kernels::Isa> levels, F&& body) {
     if (level == tg::kernels::Isa::avx512) {
       for (auto shape : kTiles) {
         TileScope tile(shape);
-        INFO("tile=" << tg::kernels::sgemm_avx512::tile_rows(shape) << "x"
-                     << tg::kernels::sgemm_avx512::tile_cols(shape));
+        INFO("tile=" << tg::kernels::sgemm_avx512::tile_name(shape));
         body(level);
       }
       continue;

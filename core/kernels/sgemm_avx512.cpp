@@ -34,8 +34,8 @@ TileShape default_tile() {
 }
 TileShape parse_tile(const char* v) {
   if (!v || !*v) return default_tile();
-  if (std::strcmp(v, "14x32") == 0) return TileShape::tall_14x32;
-  if (std::strcmp(v, "8x48") == 0) return TileShape::wide_8x48;
+  for (TileShape shape : {TileShape::tall_14x32, TileShape::wide_8x48})
+    if (std::strcmp(v, tile_name(shape)) == 0) return shape;
   fail("TAPEGRAD_SGEMM_TILE", "unknown AVX-512 tile '", v, "' (expected 14x32 or 8x48)");
 }
 TileShape tile() {
@@ -53,6 +53,7 @@ std::optional<TileShape> tile_set() {
 }
 int tile_rows(TileShape shape) { return shape == TileShape::wide_8x48 ? 8 : 14; }
 int tile_cols(TileShape shape) { return shape == TileShape::wide_8x48 ? 48 : 32; }
+const char* tile_name(TileShape shape) { return shape == TileShape::wide_8x48 ? "8x48" : "14x32"; }
 
 }  // namespace tg::kernels::sgemm_avx512
 

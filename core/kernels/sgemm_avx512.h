@@ -55,6 +55,7 @@ void set_tile(std::optional<TileShape> shape);
 std::optional<TileShape> tile_set();
 int tile_rows(TileShape shape);  // 14 or 8
 int tile_cols(TileShape shape);  // 32 or 48
+const char* tile_name(TileShape shape);  // "14x32" or "8x48", as TAPEGRAD_SGEMM_TILE names it
 
 // tri (gemm.h): a triangle of C the caller does not need, or of op(A) that is zero, which the
 // tiles then skip (causal attention's products).
