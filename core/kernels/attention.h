@@ -239,38 +239,73 @@ void tile_product(Tri tri, std::int64_t M, std::int64_t N, std::int64_t K, Strid
   }
 }
 
-// x (rows, cols, leading dimension ld) -> out (cols, rows, leading dimension kAttnTile), each value
-// rounded to bf16 when bf16: k and v tiles transposed for the score products.
+// An 8 x 8 block: out[c * ldo + r] = x[r * ld + c], in registers (GCC's vector extension, eight
+// values to a vector): three rounds of shuffles, each pairing vectors at a distance of 1, 2 and 4
+// rows, as _mm256_unpack*_ps, _mm256_shuffle_ps and _mm256_permute2f128_ps do on AVX.
 template <class T>
-void transpose_tile(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, T* out) {
-  prefetch_rows(x, ld, 0, kPrefetchAhead, rows, cols);
-  for (std::int64_t r = 0; r < rows; ++r) {
-    prefetch_rows(x, ld, r + kPrefetchAhead, 1, rows, cols);
-    for (std::int64_t c = 0; c < cols; ++c) out[c * kAttnTile + r] = x[r * ld + c];
+[[gnu::always_inline]] inline void transpose8x8(const T* x, std::int64_t ld, T* out, std::int64_t ldo) {
+  typedef T V __attribute__((vector_size(8 * sizeof(T))));
+  V r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = vec_load<V>(x + i * ld);
+  for (int i = 0; i < 8; i += 2) {  // rows i, i+1 interleaved, per half
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
   }
-  if (bf16) round_bf16_block(out, kAttnTile, cols, rows, out, kAttnTile);
+  for (int i = 0; i < 8; i += 4) {  // pairs of pairs: four rows' values of one column, per half
+    r[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    r[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    r[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    r[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int i = 0; i < 4; ++i) {  // the halves: column i from rows 0-3 and 4-7, and column i + 4
+    vec_store(out + i * ldo, __builtin_shufflevector(r[i], r[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+    vec_store(out + (i + 4) * ldo, __builtin_shufflevector(r[i], r[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+  }
+}
+
+// x (rows, cols, leading dimension ld) -> out (cols, rows, leading dimension ldo), each value
+// rounded to bf16 when bf16: k and v tiles transposed for the score products. Whole 8 x 8 blocks
+// in registers (transpose8x8), the edges one value at a time.
+template <class T>
+void transpose_tile(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, std::int64_t cols, T* out,
+                    std::int64_t ldo) {
+  prefetch_rows(x, ld, 0, 2 * kPrefetchAhead, rows, cols);
+  const std::int64_t r8 = rows / 8 * 8, c8 = cols / 8 * 8;
+  for (std::int64_t r = 0; r < r8; r += 8) {
+    prefetch_rows(x, ld, r + 2 * kPrefetchAhead, 8, rows, cols);
+    for (std::int64_t c = 0; c < c8; c += 8) transpose8x8(x + r * ld + c, ld, out + c * ldo + r, ldo);
+    for (std::int64_t i = r; i < r + 8; ++i)
+      for (std::int64_t c = c8; c < cols; ++c) out[c * ldo + i] = x[i * ld + c];
+  }
+  for (std::int64_t i = r8; i < rows; ++i)
+    for (std::int64_t c = 0; c < cols; ++c) out[c * ldo + i] = x[i * ld + c];
+  if (bf16) round_bf16_block(out, ldo, cols, rows, out, ldo);
 }
 
 // ---- forward ----
 
-// One thread's forward buffers: s (Br, Bc): S then P; kt (hs, Bc): the key tile's k transposed;
-// q, v (Br, hs): bf16-rounded copies (bf16 only); m, alpha, l (Br): the rows' running statistics.
-// With vdpbf16ps (native), the products' operands as words (attention_dpbf16.h) in place of kt, q
-// and v: qw (Br, ceil(hs / 2)) and pw (Br, Bc / 2) the query tile's q and P along their rows; kw
-// per key tile (ceil(hs / 2), Bc) its k rows transposed, and vw (ceil(T / 2), hs) v down its
-// columns, both for the whole of head (batch, head) number `bh` as far as key `keys`: a thread's
-// items run a head's query tiles in turn, and each reuses the key tiles the ones before it made.
+// One thread's forward buffers: s (Br, Bc): S then P; kt (hs, T rounded up to whole tiles, leading
+// dimension kt_ld): k transposed; q, v (Br, hs): bf16-rounded copies (bf16 only); m, alpha, l
+// (Br): the rows' running statistics. With vdpbf16ps (native), the products' operands as words
+// (attention_dpbf16.h) in place of kt, q and v: qw (Br, ceil(hs / 2)) and pw (Br, Bc / 2) the query
+// tile's q and P along their rows; kw per key tile (ceil(hs / 2), Bc) its k rows transposed, and vw
+// (ceil(T / 2), hs) v down its columns. kt, kw and vw hold the whole of head (batch, head) number
+// `bh` as far as key `keys`: a thread's items run a head's query tiles in turn, and each reuses the
+// key tiles the ones before it made.
 template <class T>
 struct FlashFwdScratch {
   std::vector<T> s, kt, q, v, m, alpha;
   std::vector<double> l;
   std::vector<std::uint32_t> qw, pw, kw, vw;
   std::int64_t bh = -1, keys = 0;
+  std::int64_t kt_ld;  // T rounded up to whole tiles
   FlashFwdScratch(std::int64_t Tn, std::int64_t hs, bool bf16, bool nat)
-      : s(kAttnTile * kAttnTile), kt(nat ? 0 : hs * kAttnTile), q(bf16 && !nat ? kAttnTile * hs : 0),
+      : s(kAttnTile * kAttnTile), kt(nat ? 0 : hs * ((Tn + kAttnTile - 1) / kAttnTile * kAttnTile)),
+        q(bf16 && !nat ? kAttnTile * hs : 0),
         v(q.size()), m(kAttnTile), alpha(kAttnTile), l(kAttnTile), qw(nat ? kAttnTile * ((hs + 1) / 2) : 0),
         pw(nat ? kAttnTile * kAttnTile / 2 : 0),
-        kw(nat ? (Tn + kAttnTile - 1) / kAttnTile * kAttnTile * ((hs + 1) / 2) : 0), vw(nat ? (Tn + 1) / 2 * hs : 0) {}
+        kw(nat ? (Tn + kAttnTile - 1) / kAttnTile * kAttnTile * ((hs + 1) / 2) : 0), vw(nat ? (Tn + 1) / 2 * hs : 0),
+        kt_ld((Tn + kAttnTile - 1) / kAttnTile * kAttnTile) {}
 };
 
 // Native: makes w.kw's and w.vw's words of head (b, h) for the keys [0, kend), reusing what the
@@ -286,29 +321,35 @@ void key_words(const Q* head, const AttnDims& d, std::int64_t bh, std::int64_t k
   }
 }
 
-// One row of one key tile in the online softmax: s (n valid of bc) holds q_i . k_j on entry and
-// exp(scale q_i . k_j - m_i) (0 past n) on return; m, l updated, alpha = exp(m_old - m_new).
-template <class T>
-void online_softmax_row(T* s, std::int64_t n, std::int64_t bc, T sc, T& m, double& l, T& alpha) {
-  // The scaled scores are stored (rounded) before the maximum is taken, so that the largest minus
-  // the maximum is exactly 0 (kernels/softmax.h's causal_softmax_row says why).
-  for (std::int64_t j = 0; j < n; ++j) s[j] *= sc;
-  const T mt = row_max(s, n);
-  const T mn = mt > m ? mt : m;
-  alpha = m == mn ? T(1) : fast_exp(m - mn);  // m = -inf on the first tile: alpha = 0, unused
-  l = l * alpha + exp_shifted(s, mn, s, n);
-  m = mn;
-  for (std::int64_t j = n; j < bc; ++j) s[j] = T(0);
-}
-
-// One key tile's softmax step over the query tile's rows: s holds the scores S (Br, Bc) on entry
-// and P on return; o's rows (leading dimension C) take the rescaling alpha of the running maximum.
+// One key tile's step of the online softmax over the query tile's rows: s holds the scores q_i .
+// k_j (Br, Bc) on entry and P_ij = exp(scale q_i . k_j - m_i) (0 where masked) on return; each
+// row's m, l and alpha = exp(m_old - m_new) are updated, and o's rows (leading dimension C) take
+// the rescaling alpha. In passes over the tile's rows rather than row by row, so that each loop
+// vectorises: the scaling and the maxima, then the rows' alphas (exponentials across rows), then
+// the exponentials and their sums. The scaled scores are stored (rounded) before the maximum is
+// taken, so that the largest minus the maximum is exactly 0 (kernels/softmax.h's
+// causal_softmax_row says why). On the first tile m = -inf, so alpha = 0, and o (not yet
+// written) is not rescaled.
 template <class T>
 void softmax_step(T* s, T* o, const AttnDims& d, std::int64_t r0, std::int64_t c0, std::int64_t br, std::int64_t bc,
                   FlashFwdScratch<T>& w) {
   const T sc = static_cast<T>(d.scale);
-  for (std::int64_t r = 0; r < br; ++r)
-    online_softmax_row(s + r * kAttnTile, attn_valid(d, r0 + r, c0, bc), bc, sc, w.m[r], w.l[r], w.alpha[r]);
+  T mn[kAttnTile];  // the rows' new maxima
+  for (std::int64_t r = 0; r < br; ++r) {
+    T* sr = s + r * kAttnTile;
+    const std::int64_t n = attn_valid(d, r0 + r, c0, bc);
+    for (std::int64_t j = 0; j < n; ++j) sr[j] *= sc;
+    const T mt = row_max(sr, n);
+    mn[r] = mt > w.m[r] ? mt : w.m[r];
+  }
+  for (std::int64_t r = 0; r < br; ++r) w.alpha[r] = w.m[r] == mn[r] ? T(1) : fast_exp(w.m[r] - mn[r]);
+  for (std::int64_t r = 0; r < br; ++r) {
+    T* sr = s + r * kAttnTile;
+    const std::int64_t n = attn_valid(d, r0 + r, c0, bc);
+    w.l[r] = w.l[r] * w.alpha[r] + exp_shifted(sr, mn[r], sr, n);
+    w.m[r] = mn[r];
+    for (std::int64_t j = n; j < bc; ++j) sr[j] = T(0);
+  }
   if (c0 > 0)
     for (std::int64_t r = 0; r < br; ++r)
       if (w.alpha[r] != T(1))
@@ -338,15 +379,19 @@ void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int6
   const std::int64_t kend = d.causal ? r0 + br : Tn;
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<T>::infinity());
   std::fill(w.l.begin(), w.l.end(), 0.0);
+  if (w.bh != b * d.H + h) w.bh = b * d.H + h, w.keys = 0;
+  for (; w.keys < kend; w.keys += kAttnTile)  // k transposed, each key tile once per head and thread
+    transpose_tile(d.bf16, head + C + w.keys * ld, ld, std::min(kAttnTile, Tn - w.keys), hs, w.kt.data() + w.keys,
+                   w.kt_ld);
   for (std::int64_t c0 = 0; c0 < kend; c0 += kAttnTile) {
     const std::int64_t bc = std::min(kAttnTile, kend - c0);
     const bool diag = d.causal && c0 == r0;  // the tile the mask cuts: br = bc there
-    transpose_tile(d.bf16, head + C + c0 * ld, ld, bc, hs, w.kt.data());
-    const TileOperand<T> v = tile_operand(d.bf16, head + 2 * C + c0 * ld, ld, bc, hs, w.v.data());
+    if (!d.bf16) prefetch_rows(head + 2 * C + c0 * ld, ld, 0, bc, bc, hs);  // v's rows, read after S and P
     T* s = w.s.data();
-    tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {q.p, q.ld, 1}, w.kt.data(), kAttnTile, s, kAttnTile,
-                    false);  // S = q k^T
+    tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {q.p, q.ld, 1}, w.kt.data() + c0, w.kt_ld, s,
+                    kAttnTile, false);  // S = q k^T
     softmax_step(s, o, d, r0, c0, br, bc, w);
+    const TileOperand<T> v = tile_operand(d.bf16, head + 2 * C + c0 * ld, ld, bc, hs, w.v.data());
     if (d.bf16) round_bf16_block(s, kAttnTile, br, bc, s, kAttnTile);
     tile_product<T>(diag ? Tri::lower_a : Tri::none, br, hs, bc, {s, kAttnTile, 1}, v.p, v.ld, o, C,
                     c0 > 0);  // o = o alpha + P v
@@ -564,8 +609,8 @@ void flash_backward_head(const Q* qkv, const Y* y, const T* lse, const T* dy, T*
   const TileOperand<T> g = tile_operand(d.bf16, gy, C, Tn, hs, w.g.data());
   for (std::int64_t c0 = 0; c0 < Tn; c0 += kAttnTile) {
     const std::int64_t bc = std::min(kAttnTile, Tn - c0);
-    transpose_tile(false, k.p + c0 * k.ld, k.ld, bc, hs, w.kt.data());
-    transpose_tile(false, v.p + c0 * v.ld, v.ld, bc, hs, w.vt.data());
+    transpose_tile(false, k.p + c0 * k.ld, k.ld, bc, hs, w.kt.data(), kAttnTile);
+    transpose_tile(false, v.p + c0 * v.ld, v.ld, bc, hs, w.vt.data(), kAttnTile);
     for (std::int64_t r0 = d.causal ? c0 : 0; r0 < Tn; r0 += kAttnTile)
       flash_backward_pair(q, k, g, dq, dq + C, dq + 2 * C, L, d, r0, c0, w);
   }

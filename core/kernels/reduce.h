@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -53,19 +54,27 @@ inline double sum16(std::int64_t n, F&& f) {
   return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7])) + tail;
 }
 
-// x (n) -> max_{j < n} x[j], over 8 interleaved lanes: a single running maximum is a loop-carried
-// dependency that GCC keeps scalar without -ffast-math. NaN entries are skipped (comparisons with
-// NaN are false), as a plain running max skips them; -inf for n = 0.
+// x (n) -> max_{j < n} x[j], over the lanes of one 64-byte vector (GCC's vector extension; two
+// ymm or four xmm registers where there is no zmm): a single running maximum is a loop-carried
+// dependency that GCC keeps scalar without -ffast-math, and so was an array of scalar lanes. NaN
+// entries are skipped (comparisons with NaN are false), as a plain running max skips them; -inf
+// for n = 0. The maximum is the same value in any order; only the sign of a zero maximum, when
+// both +0 and -0 occur, depends on it.
 template <class T>
 inline T row_max(const T* x, std::int64_t n) {
-  T lane[8];
-  for (T& l : lane) l = -std::numeric_limits<T>::infinity();
+  typedef T V __attribute__((vector_size(64)));
+  constexpr std::int64_t W = sizeof(V) / sizeof(T);
+  constexpr T ninf = -std::numeric_limits<T>::infinity();
+  V lane = V{} + ninf;
   std::int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    for (int l = 0; l < 8; ++l) lane[l] = x[j + l] > lane[l] ? x[j + l] : lane[l];
-  T m = -std::numeric_limits<T>::infinity();
+  for (; j + W <= n; j += W) {
+    V v;
+    std::memcpy(&v, x + j, sizeof(V));  // unaligned load
+    lane = v > lane ? v : lane;
+  }
+  T m = ninf;
   for (; j < n; ++j) m = x[j] > m ? x[j] : m;
-  for (const T l : lane) m = l > m ? l : m;
+  for (std::int64_t l = 0; l < W; ++l) m = lane[l] > m ? lane[l] : m;
   return m;
 }
 

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
+#include <bit>
 #include <type_traits>
 
 #include "helpers.h"
@@ -206,6 +208,60 @@ TEST_CASE("tiled attention: equal scores average v, rows across tile edges") {
 // The attention's bf16 products take vdpbf16ps from isa avx512_bf16 on (attention_dpbf16.h), and
 // float32 multiply-adds of the rounded operands below it: both paths, where the CPU has them.
 const std::initializer_list<kernels::Isa> kAttnPaths = {kernels::Isa::portable, kernels::Isa::avx512_bf16};
+
+TEMPLATE_TEST_CASE("attention's tile transpose equals the one-value-at-a-time loop at every block edge", "",
+                   float, double) {
+  using T = TestType;
+  for (std::int64_t rows : {1, 7, 8, 9, 16, 63, 64})
+    for (std::int64_t cols : {1, 5, 8, 12, 17, 64})
+      for (bool bf16 : {false, true}) {
+        if (bf16 && !std::is_same_v<T, float>) continue;  // bf16 operands are float32 only
+        INFO("rows " << rows << " cols " << cols << (bf16 ? " bf16" : ""));
+        const std::int64_t ld = cols + 3, ldo = rows + 5;  // neither a multiple of 8
+        const std::vector<T> x = values<T>({rows, ld}, static_cast<std::uint64_t>(rows * 100 + cols));
+        const T sentinel = static_cast<T>(-1234.5);
+        std::vector<T> out(static_cast<std::size_t>(cols * ldo), sentinel);
+        kernels::transpose_tile(bf16, x.data(), ld, rows, cols, out.data(), ldo);
+        std::int64_t wrong = 0, touched = 0;
+        for (std::int64_t c = 0; c < cols; ++c)
+          for (std::int64_t r = 0; r < ldo; ++r) {
+            const T got = out[static_cast<std::size_t>(c * ldo + r)];
+            if (r >= rows) {
+              touched += got != sentinel;  // past the rows: left alone
+              continue;
+            }
+            T want = x[static_cast<std::size_t>(r * ld + c)];
+            if constexpr (std::is_same_v<T, float>)
+              if (bf16)
+                want = std::bit_cast<float>(kernels::bf16_round_bits(std::bit_cast<std::uint32_t>(want)) & 0xFFFF0000u);
+            wrong += std::bit_cast<std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>>(got) !=
+                     std::bit_cast<std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>>(want);
+          }
+        CHECK(wrong == 0);
+        CHECK(touched == 0);
+      }
+}
+
+TEMPLATE_TEST_CASE("row_max equals a running maximum over the row, skipping NaN", "", float, double) {
+  using T = TestType;
+  const T inf = std::numeric_limits<T>::infinity(), nan = std::numeric_limits<T>::quiet_NaN();
+  for (std::int64_t n = 0; n <= 70; ++n)
+    for (int pattern = 0; pattern < 4; ++pattern) {
+      INFO("n " << n << " pattern " << pattern);
+      std::vector<T> x = values<T>({n + 1}, static_cast<std::uint64_t>(n * 7 + pattern));
+      x.pop_back();
+      // 1: NaN in every lane position over the row; 2: the largest value last, in the scalar tail;
+      // 3: all -inf and NaN (the maximum is -inf)
+      for (std::int64_t j = 0; j < n; ++j) {
+        if (pattern == 1 && j % 5 == 2) x[static_cast<std::size_t>(j)] = nan;
+        if (pattern == 3) x[static_cast<std::size_t>(j)] = j % 2 ? nan : -inf;
+      }
+      if (pattern == 2 && n > 0) x[static_cast<std::size_t>(n - 1)] = 50;
+      T want = -inf;
+      for (const T v : x) want = v > want ? v : want;
+      CHECK(kernels::row_max(x.data(), n) == want);
+    }
+}
 
 TEST_CASE("tiled attention: the same bits at 1, 2 and 3 threads") {
   const int threads = get_num_threads();
