@@ -569,12 +569,52 @@ inline void flash_backward_pair_dpbf16(float* dq, float* dk, float* dv, const fl
                       ld, !first_i);  // dk_j (+)= dS^T q_i
 }
 
+// The rows of the head a thread runs next, asked for into L2 a slice at a time while the current
+// head's tile pairs run: a head's rows are 3C or C floats apart, so the hardware prefetcher does
+// not follow them, and the first touch of each row would wait for memory. Segments: q, k, v, dy,
+// y and dq, dk, dv, each hs values of a row.
+struct HeadPrefetch {
+  struct Segment {
+    const char* p;
+    std::int64_t ld, bytes;  // row stride and bytes per row
+  };
+  Segment seg[8] = {};
+  int n = 0;
+  std::int64_t rows = 0, done = 0;
+  template <class X>
+  void add(const X* p, std::int64_t ld, std::int64_t cols) {
+    seg[n++] = {reinterpret_cast<const char*>(p), ld * static_cast<std::int64_t>(sizeof(X)),
+                cols * static_cast<std::int64_t>(sizeof(X))};
+  }
+  // Rows [done, r).
+  void upto(std::int64_t r) {
+    for (; done < std::min(r, rows); ++done)
+      for (int i = 0; i < n; ++i)
+        for (std::int64_t b = 0; b < seg[i].bytes; b += 64) __builtin_prefetch(seg[i].p + done * seg[i].ld + b, 0, 2);
+  }
+};
+
 // One (batch, head): its blocks of dqkv, key tiles outside, query tiles inside. qkv and y are T,
 // or (bf16 only) their bf16 copies.
 template <class T, class Q, class Y>
 void flash_backward_head(const Q* qkv, const Y* y, const T* lse, const T* dy, T* dqkv, const AttnDims& d,
-                         std::int64_t b, std::int64_t h, FlashBwdScratch<T>& w) {
+                         std::int64_t b, std::int64_t h, FlashBwdScratch<T>& w, std::int64_t next_bh = -1) {
   const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), ld = 3 * C;
+  // The next head's rows, spread over this head's tile pairs (ahead.upto before each pair).
+  HeadPrefetch ahead;
+  const std::int64_t tiles = (Tn + kAttnTile - 1) / kAttnTile, pairs = d.causal ? tiles * (tiles + 1) / 2 : tiles * tiles;
+  std::int64_t pair = 0;
+  if (next_bh >= 0) {
+    const std::int64_t nb = next_bh / d.H, nh = next_bh % d.H;
+    for (int part = 0; part < 3; ++part) {
+      ahead.add(qkv + nb * Tn * ld + part * C + nh * hs, ld, hs);
+      ahead.add(dqkv + nb * Tn * ld + part * C + nh * hs, ld, hs);
+    }
+    ahead.add(dy + nb * Tn * C + nh * hs, C, hs);
+    ahead.add(y + nb * Tn * C + nh * hs, C, hs);
+    ahead.rows = Tn;
+  }
+  auto next_pair = [&] { ahead.upto(++pair * Tn / pairs); };
   const Q* head = qkv + b * Tn * ld + h * hs;
   const T* gy = dy + b * Tn * C + h * hs;
   const Y* yy = y + b * Tn * C + h * hs;
@@ -598,8 +638,10 @@ void flash_backward_head(const Q* qkv, const Y* y, const T* lse, const T* dy, T*
         const std::int64_t bc = std::min(kAttnTile, Tn - c0);
         words_along_rows_t(head + C + c0 * ld, ld, bc, hs, w.kw.data(), kAttnTile);
         words_along_rows_t(head + 2 * C + c0 * ld, ld, bc, hs, w.vw.data(), kAttnTile);
-        for (std::int64_t r0 = d.causal ? c0 : 0; r0 < Tn; r0 += kAttnTile)
+        for (std::int64_t r0 = d.causal ? c0 : 0; r0 < Tn; r0 += kAttnTile) {
+          next_pair();
           flash_backward_pair_dpbf16(dq, dq + C, dq + 2 * C, L, d, r0, c0, w);
+        }
       }
       return;
     }
@@ -611,8 +653,10 @@ void flash_backward_head(const Q* qkv, const Y* y, const T* lse, const T* dy, T*
     const std::int64_t bc = std::min(kAttnTile, Tn - c0);
     transpose_tile(false, k.p + c0 * k.ld, k.ld, bc, hs, w.kt.data(), kAttnTile);
     transpose_tile(false, v.p + c0 * v.ld, v.ld, bc, hs, w.vt.data(), kAttnTile);
-    for (std::int64_t r0 = d.causal ? c0 : 0; r0 < Tn; r0 += kAttnTile)
+    for (std::int64_t r0 = d.causal ? c0 : 0; r0 < Tn; r0 += kAttnTile) {
+      next_pair();
       flash_backward_pair(q, k, g, dq, dq + C, dq + 2 * C, L, d, r0, c0, w);
+    }
   }
 }
 
@@ -631,7 +675,8 @@ void flash_attention_backward(const Q* qkv, const Y* y, const T* lse, const T* d
   const bool native = d.bf16 && attention_dpbf16();
   parallel_for(d.B * d.H, d.B * d.H * d.Tn * d.Tn * d.hs(), [&](std::int64_t lo, std::int64_t hi) {
     FlashBwdScratch<T> w(d.Tn, d.hs(), d.bf16, native);
-    for (std::int64_t bh = lo; bh < hi; ++bh) flash_backward_head(qkv, y, lse, dy, dqkv, d, bh / d.H, bh % d.H, w);
+    for (std::int64_t bh = lo; bh < hi; ++bh)
+      flash_backward_head(qkv, y, lse, dy, dqkv, d, bh / d.H, bh % d.H, w, bh + 1 < hi ? bh + 1 : -1);
   });
 }
 
