@@ -284,6 +284,34 @@ void transpose_tile(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, s
 
 // ---- forward ----
 
+// The rows of the work item a thread runs next, asked for into L2 a slice at a time while the
+// current item's tiles run: a head's rows are 3C or C floats apart, pages apart at GPT-2's widths,
+// so the hardware prefetcher does not follow them, and the first touch of each row would wait for
+// memory (asked for all at once, the requests would queue behind each other). Up to eight segments
+// of a row, each some values of it: in the backward q, k, v, dy, y and dq, dk, dv of the next head;
+// in the forward q, k, v and y of the next query tile.
+struct HeadPrefetch {
+  struct Segment {
+    const char* p;
+    std::int64_t ld, bytes;  // row stride and bytes per row
+  };
+  Segment seg[8] = {};
+  int n = 0;
+  std::int64_t rows = 0, done = 0;
+  template <class X>
+  void add(const X* p, std::int64_t ld, std::int64_t cols) {
+    seg[n++] = {reinterpret_cast<const char*>(p), ld * static_cast<std::int64_t>(sizeof(X)),
+                cols * static_cast<std::int64_t>(sizeof(X))};
+  }
+  // Rows [done, r).
+  void upto(std::int64_t r) {
+    for (; done < std::min(r, rows); ++done)
+      for (int i = 0; i < n; ++i)
+        for (std::int64_t b = 0; b < seg[i].bytes; b += 64) __builtin_prefetch(seg[i].p + done * seg[i].ld + b, 0, 2);
+  }
+};
+
+
 // One thread's forward buffers: s (Br, Bc): S then P; kt (hs, T rounded up to whole tiles, leading
 // dimension kt_ld): k transposed; q, v (Br, hs): bf16-rounded copies (bf16 only); m, alpha, l
 // (Br): the rows' running statistics. With vdpbf16ps (native), the products' operands as words
@@ -371,10 +399,19 @@ void finish_rows(T* o, T* lse, const AttnDims& d, std::int64_t b, std::int64_t h
 // One (batch, head, query tile starting at row r0): y's and lse's rows r0 .. r0 + br.
 template <class T>
 void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int64_t b, std::int64_t h,
-                        std::int64_t r0, FlashFwdScratch<T>& w) {
+                        std::int64_t r0, FlashFwdScratch<T>& w, std::int64_t next = -1) {
   const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), ld = 3 * C, br = std::min(kAttnTile, Tn - r0);
   const T* head = qkv + b * Tn * ld + h * hs;  // q of row 0; k at + C, v at + 2C
   T* o = y + (b * Tn + r0) * C + h * hs;
+  // The next item's query tile: its rows of q, k, v (the keys a causal tile adds) and y.
+  HeadPrefetch ahead;
+  if (next >= 0) {
+    const std::int64_t tiles = (Tn + kAttnTile - 1) / kAttnTile, nbh = next / tiles, nr0 = next % tiles * kAttnTile;
+    const T* nrow = qkv + (nbh / d.H * Tn + nr0) * ld + nbh % d.H * hs;
+    for (int part = 0; part < 3; ++part) ahead.add(nrow + part * C, ld, hs);
+    ahead.add(y + (nbh / d.H * Tn + nr0) * C + nbh % d.H * hs, C, hs);
+    ahead.rows = std::min(kAttnTile, Tn - nr0);
+  }
   const TileOperand<T> q = tile_operand(d.bf16, head + r0 * ld, ld, br, hs, w.q.data());
   const std::int64_t kend = d.causal ? r0 + br : Tn;
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<T>::infinity());
@@ -383,10 +420,11 @@ void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int6
   for (; w.keys < kend; w.keys += kAttnTile)  // k transposed, each key tile once per head and thread
     transpose_tile(d.bf16, head + C + w.keys * ld, ld, std::min(kAttnTile, Tn - w.keys), hs, w.kt.data() + w.keys,
                    w.kt_ld);
+  const std::int64_t key_tiles = (kend + kAttnTile - 1) / kAttnTile;
   for (std::int64_t c0 = 0; c0 < kend; c0 += kAttnTile) {
     const std::int64_t bc = std::min(kAttnTile, kend - c0);
     const bool diag = d.causal && c0 == r0;  // the tile the mask cuts: br = bc there
-    if (!d.bf16) prefetch_rows(head + 2 * C + c0 * ld, ld, 0, bc, bc, hs);  // v's rows, read after S and P
+    ahead.upto((c0 / kAttnTile + 1) * ahead.rows / key_tiles);
     T* s = w.s.data();
     tile_product<T>(diag ? Tri::lower_c : Tri::none, br, bc, hs, {q.p, q.ld, 1}, w.kt.data() + c0, w.kt_ld, s,
                     kAttnTile, false);  // S = q k^T
@@ -453,7 +491,7 @@ void flash_attention_forward(const Q* qkv, T* y, T* lse, const AttnDims& d) {
           flash_forward_tile_dpbf16(qkv, y, lse, d, b, h, r0, w);
           continue;
         }
-      if constexpr (std::is_same_v<Q, T>) flash_forward_tile(qkv, y, lse, d, b, h, r0, w);
+      if constexpr (std::is_same_v<Q, T>) flash_forward_tile(qkv, y, lse, d, b, h, r0, w, it + 1 < hi ? it + 1 : -1);
     }
   });
 }
@@ -568,31 +606,6 @@ inline void flash_backward_pair_dpbf16(float* dq, float* dk, float* dv, const fl
   tile_product_dpbf16(diag ? Tri::upper_a : Tri::none, bc, hs, br, w.dsc.data(), 1, kAttnTile, qc, hs, dk + c0 * ld,
                       ld, !first_i);  // dk_j (+)= dS^T q_i
 }
-
-// The rows of the head a thread runs next, asked for into L2 a slice at a time while the current
-// head's tile pairs run: a head's rows are 3C or C floats apart, so the hardware prefetcher does
-// not follow them, and the first touch of each row would wait for memory. Segments: q, k, v, dy,
-// y and dq, dk, dv, each hs values of a row.
-struct HeadPrefetch {
-  struct Segment {
-    const char* p;
-    std::int64_t ld, bytes;  // row stride and bytes per row
-  };
-  Segment seg[8] = {};
-  int n = 0;
-  std::int64_t rows = 0, done = 0;
-  template <class X>
-  void add(const X* p, std::int64_t ld, std::int64_t cols) {
-    seg[n++] = {reinterpret_cast<const char*>(p), ld * static_cast<std::int64_t>(sizeof(X)),
-                cols * static_cast<std::int64_t>(sizeof(X))};
-  }
-  // Rows [done, r).
-  void upto(std::int64_t r) {
-    for (; done < std::min(r, rows); ++done)
-      for (int i = 0; i < n; ++i)
-        for (std::int64_t b = 0; b < seg[i].bytes; b += 64) __builtin_prefetch(seg[i].p + done * seg[i].ld + b, 0, 2);
-  }
-};
 
 // One (batch, head): its blocks of dqkv, key tiles outside, query tiles inside. qkv and y are T,
 // or (bf16 only) their bf16 copies.
