@@ -290,7 +290,7 @@ void transpose_tile(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, s
 // memory (asked for all at once, the requests would queue behind each other). Up to eight segments
 // of a row, each some values of it: in the backward q, k, v, dy, y and dq, dk, dv of the next head;
 // in the forward q, k, v and y of the next query tile.
-struct HeadPrefetch {
+struct RowsAhead {
   struct Segment {
     const char* p;
     std::int64_t ld, bytes;  // row stride and bytes per row
@@ -310,7 +310,6 @@ struct HeadPrefetch {
         for (std::int64_t b = 0; b < seg[i].bytes; b += 64) __builtin_prefetch(seg[i].p + done * seg[i].ld + b, 0, 2);
   }
 };
-
 
 // One thread's forward buffers: s (Br, Bc): S then P; kt (hs, T rounded up to whole tiles, leading
 // dimension kt_ld): k transposed; q, v (Br, hs): bf16-rounded copies (bf16 only); m, alpha, l
@@ -404,7 +403,7 @@ void flash_forward_tile(const T* qkv, T* y, T* lse, const AttnDims& d, std::int6
   const T* head = qkv + b * Tn * ld + h * hs;  // q of row 0; k at + C, v at + 2C
   T* o = y + (b * Tn + r0) * C + h * hs;
   // The next item's query tile: its rows of q, k, v (the keys a causal tile adds) and y.
-  HeadPrefetch ahead;
+  RowsAhead ahead;
   if (next >= 0) {
     const std::int64_t tiles = (Tn + kAttnTile - 1) / kAttnTile, nbh = next / tiles, nr0 = next % tiles * kAttnTile;
     const T* nrow = qkv + (nbh / d.H * Tn + nr0) * ld + nbh % d.H * hs;
@@ -614,7 +613,7 @@ void flash_backward_head(const Q* qkv, const Y* y, const T* lse, const T* dy, T*
                          std::int64_t b, std::int64_t h, FlashBwdScratch<T>& w, std::int64_t next_bh = -1) {
   const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), ld = 3 * C;
   // The next head's rows, spread over this head's tile pairs (ahead.upto before each pair).
-  HeadPrefetch ahead;
+  RowsAhead ahead;
   const std::int64_t tiles = (Tn + kAttnTile - 1) / kAttnTile, pairs = d.causal ? tiles * (tiles + 1) / 2 : tiles * tiles;
   std::int64_t pair = 0;
   if (next_bh >= 0) {
