@@ -74,8 +74,42 @@ struct AttnDims {
 // A head's rows are 3C (or C) apart, pages apart at GPT-2's widths, where the hardware's stride
 // prefetcher does not follow: without a hint each first touch of a row waits for memory (a
 // quarter of the backward's time at GPT-2 small's widths, in its transposes, bf16 copies and row
-// sums). The kernels ask for rows this far ahead (prefetch_rows, gemm.h).
+// sums). The row loops ask for rows this far ahead (prefetch_rows, gemm.h; the transposes, which
+// take 8 rows at a time, twice as far); the tiles ask for the next work item's rows (RowsAhead).
 inline constexpr std::int64_t kPrefetchAhead = 8;  // rows
+
+// The rows of the work item a thread runs next, asked for into L2 a slice at a time while the
+// current item's tiles run: a head's rows are 3C or C floats apart, pages apart at GPT-2's widths,
+// so the hardware prefetcher does not follow them, and the first touch of each row would wait for
+// memory (asked for all at once, the requests would queue behind each other). Up to eight segments
+// of a row, each some values of it: in the backward q, k, v, dy, y and dq, dk, dv of the next head;
+// in the forward q, k, v and y of the next query tile (the vdpbf16ps forward, whose items make
+// their operands' words first, takes none).
+struct RowsAhead {
+  struct Segment {
+    const char* p;
+    std::int64_t ld, bytes;  // row stride and bytes per row
+  };
+  Segment seg[8] = {};
+  int n = 0;
+  std::int64_t rows = 0, done = 0;
+  template <class X>
+  void add(const X* p, std::int64_t ld, std::int64_t cols) {
+    assert(n < 8);
+    seg[n++] = {reinterpret_cast<const char*>(p), ld * static_cast<std::int64_t>(sizeof(X)),
+                cols * static_cast<std::int64_t>(sizeof(X))};
+  }
+  // Rows [done, r): every line of each segment, the last one too when the segment starts inside a
+  // line.
+  void upto(std::int64_t r) {
+    for (; done < std::min(r, rows); ++done)
+      for (int i = 0; i < n; ++i) {
+        const char* row = seg[i].p + done * seg[i].ld;
+        for (std::int64_t b = 0; b < seg[i].bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+        if (seg[i].bytes > 0) __builtin_prefetch(row + seg[i].bytes - 1, 0, 2);
+      }
+  }
+};
 
 // x (rows, cols, leading dimension ld) -> out (rows, cols, leading dimension ldo): each value
 // rounded to bf16 and held in T (float). out may be x (with ldo = ld).
@@ -246,7 +280,9 @@ template <class T>
 [[gnu::always_inline]] inline void transpose8x8(const T* x, std::int64_t ld, T* out, std::int64_t ldo) {
   typedef T V __attribute__((vector_size(8 * sizeof(T))));
   V r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = vec_load<V>(x + i * ld);
+  // memcpy rather than vec_load / vec_store: an eight-value vector is wider than a register in a
+  // build for baseline x86-64, where passing it to or from a function would change the ABI
+  for (int i = 0; i < 8; ++i) std::memcpy(&r[i], x + i * ld, sizeof(V));
   for (int i = 0; i < 8; i += 2) {  // rows i, i+1 interleaved, per half
     t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
     t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
@@ -258,8 +294,10 @@ template <class T>
     r[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
   }
   for (int i = 0; i < 4; ++i) {  // the halves: column i from rows 0-3 and 4-7, and column i + 4
-    vec_store(out + i * ldo, __builtin_shufflevector(r[i], r[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
-    vec_store(out + (i + 4) * ldo, __builtin_shufflevector(r[i], r[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+    const V lo = __builtin_shufflevector(r[i], r[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    const V hi = __builtin_shufflevector(r[i], r[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    std::memcpy(out + i * ldo, &lo, sizeof(V));
+    std::memcpy(out + (i + 4) * ldo, &hi, sizeof(V));
   }
 }
 
@@ -284,33 +322,6 @@ void transpose_tile(bool bf16, const T* x, std::int64_t ld, std::int64_t rows, s
 
 // ---- forward ----
 
-// The rows of the work item a thread runs next, asked for into L2 a slice at a time while the
-// current item's tiles run: a head's rows are 3C or C floats apart, pages apart at GPT-2's widths,
-// so the hardware prefetcher does not follow them, and the first touch of each row would wait for
-// memory (asked for all at once, the requests would queue behind each other). Up to eight segments
-// of a row, each some values of it: in the backward q, k, v, dy, y and dq, dk, dv of the next head;
-// in the forward q, k, v and y of the next query tile.
-struct RowsAhead {
-  struct Segment {
-    const char* p;
-    std::int64_t ld, bytes;  // row stride and bytes per row
-  };
-  Segment seg[8] = {};
-  int n = 0;
-  std::int64_t rows = 0, done = 0;
-  template <class X>
-  void add(const X* p, std::int64_t ld, std::int64_t cols) {
-    seg[n++] = {reinterpret_cast<const char*>(p), ld * static_cast<std::int64_t>(sizeof(X)),
-                cols * static_cast<std::int64_t>(sizeof(X))};
-  }
-  // Rows [done, r).
-  void upto(std::int64_t r) {
-    for (; done < std::min(r, rows); ++done)
-      for (int i = 0; i < n; ++i)
-        for (std::int64_t b = 0; b < seg[i].bytes; b += 64) __builtin_prefetch(seg[i].p + done * seg[i].ld + b, 0, 2);
-  }
-};
-
 // One thread's forward buffers: s (Br, Bc): S then P; kt (hs, T rounded up to whole tiles, leading
 // dimension kt_ld): k transposed; q, v (Br, hs): bf16-rounded copies (bf16 only); m, alpha, l
 // (Br): the rows' running statistics. With vdpbf16ps (native), the products' operands as words
@@ -325,14 +336,21 @@ struct FlashFwdScratch {
   std::vector<double> l;
   std::vector<std::uint32_t> qw, pw, kw, vw;
   std::int64_t bh = -1, keys = 0;
-  std::int64_t kt_ld;  // T rounded up to whole tiles
+  // kt's leading dimension: T rounded up to whole tiles, plus one 64-byte line, so that the rows of
+  // k^T a score product reads (hs of them, kt_ld apart) fall in different sets of the L1 (a
+  // power-of-two stride, as T = 256 or 1024 gives, puts them all in a few sets, more lines than
+  // a set has ways).
+  std::int64_t kt_ld;
+  static std::int64_t kt_stride(std::int64_t Tn) {
+    return (Tn + kAttnTile - 1) / kAttnTile * kAttnTile + 64 / static_cast<std::int64_t>(sizeof(T));
+  }
   FlashFwdScratch(std::int64_t Tn, std::int64_t hs, bool bf16, bool nat)
-      : s(kAttnTile * kAttnTile), kt(nat ? 0 : hs * ((Tn + kAttnTile - 1) / kAttnTile * kAttnTile)),
+      : s(kAttnTile * kAttnTile), kt(nat ? 0 : hs * kt_stride(Tn)),
         q(bf16 && !nat ? kAttnTile * hs : 0),
         v(q.size()), m(kAttnTile), alpha(kAttnTile), l(kAttnTile), qw(nat ? kAttnTile * ((hs + 1) / 2) : 0),
         pw(nat ? kAttnTile * kAttnTile / 2 : 0),
         kw(nat ? (Tn + kAttnTile - 1) / kAttnTile * kAttnTile * ((hs + 1) / 2) : 0), vw(nat ? (Tn + 1) / 2 * hs : 0),
-        kt_ld((Tn + kAttnTile - 1) / kAttnTile * kAttnTile) {}
+        kt_ld(kt_stride(Tn)) {}
 };
 
 // Native: makes w.kw's and w.vw's words of head (b, h) for the keys [0, kend), reusing what the
@@ -614,7 +632,8 @@ void flash_backward_head(const Q* qkv, const Y* y, const T* lse, const T* dy, T*
   const std::int64_t Tn = d.Tn, C = d.C, hs = d.hs(), ld = 3 * C;
   // The next head's rows, spread over this head's tile pairs (ahead.upto before each pair).
   RowsAhead ahead;
-  const std::int64_t tiles = (Tn + kAttnTile - 1) / kAttnTile, pairs = d.causal ? tiles * (tiles + 1) / 2 : tiles * tiles;
+  const std::int64_t tiles = (Tn + kAttnTile - 1) / kAttnTile;
+  const std::int64_t pairs = d.causal ? tiles * (tiles + 1) / 2 : tiles * tiles;
   std::int64_t pair = 0;
   if (next_bh >= 0) {
     const std::int64_t nb = next_bh / d.H, nh = next_bh % d.H;

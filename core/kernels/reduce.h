@@ -56,7 +56,7 @@ inline double sum16(std::int64_t n, F&& f) {
 
 // x (n) -> max_{j < n} x[j], over the lanes of one 64-byte vector (GCC's vector extension; two
 // ymm or four xmm registers where there is no zmm): a single running maximum is a loop-carried
-// dependency that GCC keeps scalar without -ffast-math, and so was an array of scalar lanes. NaN
+// dependency that GCC keeps scalar without -ffast-math, as it does an array of scalar lanes. NaN
 // entries are skipped (comparisons with NaN are false), as a plain running max skips them; -inf
 // for n = 0. The maximum is the same value in any order; only the sign of a zero maximum, when
 // both +0 and -0 occur, depends on it.
