@@ -28,7 +28,8 @@ std::string atomic_temp_name(const std::string& path) {
   // The longest file name the directory takes (NAME_MAX, 255 bytes on most file systems; less on
   // some): a name near it would leave no room for the suffix, and the save would fail although
   // path itself is valid. The temporary name then keeps as much of the file name as fits, cut at
-  // a UTF-8 character's start.
+  // a UTF-8 character's start. (text/formats.cpp's temp_name does the same for the tokenizer's
+  // save: the text library links no core, so a change here goes there too.)
   const std::size_t slash = path.rfind('/');
   const std::size_t start = slash == std::string::npos ? 0 : slash + 1;
   const std::string dir = start == 0 ? "." : start == 1 ? "/" : path.substr(0, start - 1);

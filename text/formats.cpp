@@ -335,7 +335,9 @@ std::string BpeTokenizer::to_tokenizer_json() const {
 namespace {
 // path + suffix, with path's file name cut (at a UTF-8 character's start) where the two would pass
 // the longest name its directory takes (NAME_MAX: 255 bytes on most file systems), so that a
-// valid path near that length still has a temporary file beside it.
+// valid path near that length still has a temporary file beside it. The same cut as the core's
+// atomic_temp_name (core/atomic_file.cpp), written again because this library links no core (its
+// CMakeLists.txt): a change to one goes to the other.
 std::string temp_name(const std::string& path, const std::string& suffix) {
   const std::size_t slash = path.rfind('/');
   const std::size_t start = slash == std::string::npos ? 0 : slash + 1;
