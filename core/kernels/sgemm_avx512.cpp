@@ -72,18 +72,19 @@ using i64 = std::int64_t;
 // (sgemm_driver.h gives the operands' layout). Each row's NV accumulators take a(i, k) as a
 // broadcast and b(k, 16 v .. 16 v + 16) from the packed panel. sgemm_avx512.h says which tile runs
 // where, and why.
-template <int MR_, int NV, i64 MC_, i64 NC_>
+template <int MR_, int NV, i64 MC_, i64 NC_, bool AHEAD>
 struct Tile {
   static constexpr int MR = MR_;       // rows of C per kernel call
   static constexpr int NR = 16 * NV;   // columns of C per kernel call (NV zmm)
   static constexpr i64 KC = 768;       // K per block, as the AVX2 tile's: a panel of B is kc x 4 NR bytes
   static constexpr i64 MC = MC_;       // rows of C per block: MC x 768 floats of A, under half a 1 MB L2
   static constexpr i64 NC = NC_;       // columns of B packed at once: about 6 MB at kc = 768
+  static constexpr bool kAhead = AHEAD;  // the driver hands the tile a slice of the next panel (sgemm_driver::Ahead)
   static_assert(MR * NV + NV + 1 <= 32, "accumulators, the row of B and the broadcast fit in 32 zmm");
 
   template <bool ROWS>
   static void kernel(i64 kc, const float* __restrict A, i64 lda, const float* __restrict Bp, float* C, i64 ldc,
-                     float alpha, float beta, int mv, int nv) {
+                     float alpha, float beta, int mv, int nv, sgemm_driver::Ahead ahead) {
     __m512 c[MR][NV];
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
@@ -104,6 +105,10 @@ struct Tile {
       }
       A += step;
       Bp += NR;
+      if ((k & 3) == 3 && ahead.p < ahead.end) {  // one line of the next panel every four k
+        _mm_prefetch(ahead.p, _MM_HINT_T1);
+        ahead.p += 64;
+      }
     }
     // A full tile goes straight to C; an edge tile to a buffer, then its valid part to C.
     alignas(64) float edge[MR * NR];
@@ -131,9 +136,9 @@ struct Tile {
 };
 
 // 14 x 32: 140 x 768 floats of A = 420 KB a block; 2048 columns of B at once.
-using Tall = sgemm_driver::Driver<Tile<14, 2, 140, 2048>>;
+using Tall = sgemm_driver::Driver<Tile<14, 2, 140, 2048, false>>;
 // 8 x 48: 144 x 768 floats of A = 432 KB a block; 2016 columns (42 panels) of B at once.
-using Wide = sgemm_driver::Driver<Tile<8, 3, 144, 2016>>;
+using Wide = sgemm_driver::Driver<Tile<8, 3, 144, 2016, true>>;
 static_assert(Tall::MR == 14 && Tall::NR == 32 && Wide::MR == 8 && Wide::NR == 48, "as tile_rows and tile_cols say");
 
 }  // namespace

@@ -127,6 +127,18 @@ inline void transpose8(__m256 r[8]) {
   }
 }
 
+// A run of 64-byte lines that a kernel asks for into L2 while it runs (prefetcht1), one line every
+// four k: part of the panel of B that the next tiles read. block_product gives each tile of a row
+// block an equal slice of the next panel, so the panel is in L2 when its first tile starts. Packed B
+// is written by the whole team before the items run, and in the step it is often larger than L2
+// (9.4 MB for the GPT-2-small MLP's weight), so the first tile on each panel would otherwise read it
+// from L3 or memory at a pace the hardware prefetcher, restarted at every page, does not keep up
+// with. A hint only: it changes no result. Measured in docs/performance.md ("The next panel of B").
+struct Ahead {
+  const char* p = nullptr;  // the next line to ask for
+  const char* end = nullptr;  // one past the slice's last line
+};
+
 template <class Tile>
 struct Driver {
   static constexpr int MR = Tile::MR, NR = Tile::NR;
@@ -259,12 +271,15 @@ struct Driver {
   // beta of this block (the caller's for the first, 1 after). Ap: room for (r1 - r0) x kc floats
   // (rounded up to MR rows) when A is packed (ta, or rows_crowd_l1), else MR x kc (the edge
   // panel). tri lets a tile skip what a triangle makes zero or unneeded (gemm.h); c0 is the column
-  // of C where panel 0 starts.
+  // of C where panel 0 starts. When Tile::kAhead, the tiles on panel q ask for panel q + 1, and
+  // those on the last panel for `after` (after_floats of it: the panel the caller runs next, or
+  // null).
   static void block_product(bool ta, const float* A, i64 lda, i64 r0, i64 r1, i64 pc, i64 kc, const float* Bk,
                             i64 pstride, i64 q0, i64 q1, i64 N, float alpha, float be, float* C, i64 ldc, float* Ap,
-                            Tri tri, i64 c0) {
+                            Tri tri, i64 c0, const float* after = nullptr, i64 after_floats = 0) {
     const i64 mc = r1 - r0, mfull = mc / MR * MR;
     const int medge = static_cast<int>(mc - mfull);
+    const i64 tiles = (mc + MR - 1) / MR;
     const float* Ablk = ta ? A + pc * lda + r0 : A + r0 * lda + pc;  // a(r0, pc)
     const bool packed = packs_a(ta, lda);
     if (ta) pack_a_trans(Ablk, lda, mc, kc, Ap);
@@ -274,8 +289,21 @@ struct Driver {
       const int nv = static_cast<int>(std::min<i64>(NR, N - q * NR));
       const float* Bj = Bk + q * pstride;
       float* Cj = C + r0 * ldc + q * NR;
+      // The next panel, in equal slices of whole lines, one a tile.
+      const char* next = nullptr;
+      i64 next_bytes = 0, slice = 0;
+      if constexpr (Tile::kAhead) {
+        next = reinterpret_cast<const char*>(q + 1 < q1 ? Bj + pstride : after);
+        next_bytes = (q + 1 < q1 ? NR * kc : after_floats) * static_cast<i64>(sizeof(float));
+        slice = (next_bytes / 64 + tiles - 1) / tiles * 64;
+      }
       for (i64 ir = 0; ir < mc; ir += MR) {
         const int mv = static_cast<int>(std::min<i64>(MR, mc - ir));
+        Ahead ahead;
+        if (next) {
+          const i64 from = std::min(ir / MR * slice, next_bytes);
+          ahead = {next + from, next + std::min(from + slice, next_bytes)};
+        }
         // The tile's rows [r, r + mv) and its part of this K block, [off, off + len).
         const i64 r = r0 + ir;
         i64 off = 0, len = kc;
@@ -287,9 +315,10 @@ struct Driver {
         }
         float* Ct = Cj + ir * ldc;
         const float* Bt = Bj + off * NR;
-        if (packed) Tile::template kernel<false>(len, Ap + ir * kc + off * MR, MR, Bt, Ct, ldc, alpha, be, mv, nv);
-        else if (mv == MR) Tile::template kernel<true>(len, Ablk + ir * lda + off, lda, Bt, Ct, ldc, alpha, be, MR, nv);
-        else Tile::template kernel<false>(len, Ap + off * MR, MR, Bt, Ct, ldc, alpha, be, mv, nv);
+        if (packed) Tile::template kernel<false>(len, Ap + ir * kc + off * MR, MR, Bt, Ct, ldc, alpha, be, mv, nv, ahead);
+        else if (mv == MR)
+          Tile::template kernel<true>(len, Ablk + ir * lda + off, lda, Bt, Ct, ldc, alpha, be, MR, nv, ahead);
+        else Tile::template kernel<false>(len, Ap + off * MR, MR, Bt, Ct, ldc, alpha, be, mv, nv, ahead);
       }
     }
   }
@@ -375,8 +404,12 @@ struct Driver {
       const i64 q0 = cb * run, q1 = std::min(panels, q0 + run);
       for (i64 b = 0; b < nkb; ++b) {
         const i64 pc = b * kcb;
+        // After this block's last panel, the item reads the next block's first (q0).
+        const bool more = b + 1 < nkb;
+        const float* after = more ? Bp + ((b + 1) * panels + q0) * pstride : nullptr;
+        const i64 after_floats = more ? NR * std::min(kcb, p.K - pc - kcb) : 0;
         block_product(p.ta, p.A, p.lda, r0, r1, pc, std::min(kcb, p.K - pc), Bp + b * panels * pstride, pstride, q0,
-                      q1, p.N, p.alpha, b == 0 ? p.beta : 1.0f, p.C, p.ldc, Ap, Tri::none, 0);
+                      q1, p.N, p.alpha, b == 0 ? p.beta : 1.0f, p.C, p.ldc, Ap, Tri::none, 0, after, after_floats);
       }
       if (p.ep && !ep_after) p.ep(r0, r1, q0 * NR, std::min(p.N, q1 * NR));  // the item's part of C is final
     }
