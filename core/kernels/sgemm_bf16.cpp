@@ -296,9 +296,12 @@ inline unsigned ftz_csr(unsigned csr) { return (csr & ~0x6000u) | 0x8000u | 0x1F
 // The tile's sums, acc (6 x 64, row stride 64) = sum over `pairs` pairs of the two multiply-adds,
 // the odd k first, from split panels: A's 12 floats per pair, B's 128. Called with flush-to-zero
 // on (ftz_csr); never inlined, so no operation of its own moves outside that setting. The
-// AVX-512F version holds the tile in 24 zmm; the AVX2 one in 12 ymm, 16 columns at a time.
+// AVX-512F version holds the tile in 24 zmm; the AVX2 one in 12 ymm, 16 columns at a time. The
+// AVX-512F one also asks for [ahead, ahead_end), a slice of the panel the next tiles read, into L2,
+// one 64-byte line every two pairs (a hint only; sgemm_driver.h's Ahead says why).
 #ifdef TG_BF16_X86
-[[gnu::noinline, gnu::target("avx512f")]] void tile_fma512(i64 pairs, const float* A, const float* B, float* acc) {
+[[gnu::noinline, gnu::target("avx512f")]] void tile_fma512(i64 pairs, const float* A, const float* B, float* acc,
+                                                           const char* ahead, const char* ahead_end) {
   __m512 c[kMR][4];
 #pragma GCC unroll 6
   for (int i = 0; i < kMR; ++i)
@@ -319,6 +322,10 @@ inline unsigned ftz_csr(unsigned csr) { return (csr & ~0x6000u) | 0x8000u | 0x1F
     }
     A += 2 * kMR;
     B += 2 * kNR;
+    if ((p & 1) == 1 && ahead < ahead_end) {
+      _mm_prefetch(ahead, _MM_HINT_T1);
+      ahead += 64;
+    }
   }
 #pragma GCC unroll 6
   for (int i = 0; i < kMR; ++i)
@@ -687,14 +694,21 @@ void block_product_fma(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
   split_a(Aw, g.ta, mcp, pairs, Af);
   const bool wide = isa() >= Isa::avx512;
   alignas(64) float acc[kMR * kNR];
+  // The next panel of this block (split: 2 pairs x 64 floats a pair), in equal slices, one a tile.
+  const i64 next_bytes = pairs * 2 * kNR * static_cast<i64>(sizeof(float)), tiles = mcp / kMR,
+            slice = (next_bytes / 64 + tiles - 1) / tiles * 64;
   for (i64 q = q0; q < q1; ++q) {
     const int nv = static_cast<int>(std::min<i64>(kNR, g.N - q * kNR));
     const auto* Bj = reinterpret_cast<const float*>(Bk + q * pstride);
+    const char* next = q + 1 < q1 ? reinterpret_cast<const char*>(Bk + (q + 1) * pstride) : nullptr;
     for (i64 ir = 0; ir < mc; ir += kMR) {
       const auto* At = reinterpret_cast<const float*>(Af + ir * 2 * pairs);
+      const i64 from = std::min(ir / kMR * slice, next_bytes);
+      const char* ahead = next ? next + from : nullptr;
+      const char* ahead_end = next ? next + std::min(from + slice, next_bytes) : nullptr;
       const unsigned csr = _mm_getcsr();  // read per tile: the stores' flags stay raised
       _mm_setcsr(ftz_csr(csr));
-      if (wide) tile_fma512(pairs, At, Bj, acc);
+      if (wide) tile_fma512(pairs, At, Bj, acc, ahead, ahead_end);
       else tile_fma256(pairs, At, Bj, acc);
       _mm_setcsr(csr);
       store_tile(acc, g.C + (r0 + ir) * g.ldc + q * kNR, g.ldc, g.alpha, be,
@@ -867,7 +881,7 @@ bool fma_flush_exact(bool wide) {
   }
   const unsigned csr = _mm_getcsr();
   _mm_setcsr(ftz_csr(csr));
-  if (wide) tile_fma512(1, A, B, acc);
+  if (wide) tile_fma512(1, A, B, acc, nullptr, nullptr);
   else tile_fma256(1, A, B, acc);
   _mm_setcsr((ftz_csr(csr) & ~0x8040u));  // the reference: nearest even, no flush-to-zero, no DAZ
   bool same = true;
