@@ -84,8 +84,44 @@ void to_float_avx512(const bf16* x, float* y, std::int64_t n) {
 }  // namespace
 
 #pragma GCC pop_options
+
+// AVX-512F without AVX512_BF16: the definition's integer rounding (bf16_round_bits), 16 lanes at a
+// time, narrowed by vpmovdw; the last n % 16 values by the scalar definition. (The maskz_ forms with
+// every lane set keep GCC 12 from warning that the plain forms' undefined source is uninitialised.)
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+
+void to_bf16_avx512f(const float* x, bf16* y, std::int64_t n) {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000),
+                quiet = _mm512_set1_epi32(0x00400000), half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  std::int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i u = _mm512_loadu_si512(x + i);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+    const __m512i odd = _mm512_and_si512(_mm512_maskz_srli_epi32(0xFFFF, u, 16), one);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(half, odd));
+    r = _mm512_mask_or_epi32(r, nan, u, quiet);  // a NaN stays a NaN, made quiet
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm512_maskz_cvtepi32_epi16(0xFFFF, _mm512_maskz_srli_epi32(0xFFFF, r, 16)));
+  }
+  for (; i < n; ++i) y[i] = to_bf16(x[i]);
+}
+
+void to_float_avx512f(const bf16* x, float* y, std::int64_t n) {
+  std::int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i h = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
+    _mm512_storeu_si512(y + i, _mm512_maskz_slli_epi32(0xFFFF, h, 16));
+  }
+  for (; i < n; ++i) y[i] = to_float(x[i]);
+}
+
+#pragma GCC pop_options
 #else
 void to_bf16_avx512(const float* x, bf16* y, std::int64_t n) { to_bf16_portable(x, y, n); }
+void to_bf16_avx512f(const float* x, bf16* y, std::int64_t n) { to_bf16_portable(x, y, n); }
+void to_float_avx512f(const bf16* x, float* y, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) y[i] = to_float(x[i]);
+}
 #endif
 
 }  // namespace bf16_impl
@@ -93,6 +129,7 @@ void to_bf16_avx512(const float* x, bf16* y, std::int64_t n) { to_bf16_portable(
 void to_bf16(const float* x, bf16* y, std::int64_t n) {
 #ifdef TG_BF16_X86
   if (isa() >= Isa::avx512_bf16) return bf16_impl::to_bf16_avx512(x, y, n);
+  if (isa() >= Isa::avx512) return bf16_impl::to_bf16_avx512f(x, y, n);
 #endif
   bf16_impl::to_bf16_portable(x, y, n);
 }
@@ -100,6 +137,7 @@ void to_bf16(const float* x, bf16* y, std::int64_t n) {
 void to_float(const bf16* x, float* y, std::int64_t n) {
 #ifdef TG_BF16_X86
   if (isa() >= Isa::avx512_bf16) return bf16_impl::to_float_avx512(x, y, n);
+  if (isa() >= Isa::avx512) return bf16_impl::to_float_avx512f(x, y, n);
 #endif
   for (std::int64_t i = 0; i < n; ++i) y[i] = to_float(x[i]);
 }

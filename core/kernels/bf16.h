@@ -61,10 +61,13 @@ void to_bf16(const float* x, bf16* y, std::int64_t n);
 void to_float(const bf16* x, float* y, std::int64_t n);
 
 namespace bf16_impl {
-// The two ways of the array conversion, for the tests: the scalar definition, and the AVX512_BF16
-// one (call it only when cpu_has_avx512_bf16()).
+// The ways of the array conversion, for the tests: the scalar definition, the AVX512_BF16 one
+// (call it only when cpu_has_avx512_bf16()), and the AVX-512F one, the definition's integer
+// rounding in 16 lanes, for CPUs with AVX-512F but not AVX512_BF16 (only where AVX-512F is).
 void to_bf16_portable(const float* x, bf16* y, std::int64_t n);
 void to_bf16_avx512(const float* x, bf16* y, std::int64_t n);
+void to_bf16_avx512f(const float* x, bf16* y, std::int64_t n);
+void to_float_avx512f(const bf16* x, float* y, std::int64_t n);
 
 // n values as bf16 for the AVX512_BF16 packers (the bf16 product's, the attention's words):
 // floats through to_bf16_avx512, bf16 copied as they are. Only where cpu_has_avx512_bf16().

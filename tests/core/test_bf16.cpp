@@ -172,6 +172,13 @@ TEST_CASE("bf16 array conversion equals the scalar one bit for bit, every length
       };
       check("portable", bf16_impl::to_bf16_portable);
       if (cpu_has_avx512_bf16()) check("avx512_bf16", bf16_impl::to_bf16_avx512);
+      if (cpu_supports(Isa::avx512)) {
+        check("avx512f", bf16_impl::to_bf16_avx512f);
+        std::vector<float> back(static_cast<std::size_t>(n + 1), 7.0f);
+        bf16_impl::to_float_avx512f(want.data(), back.data(), n);
+        for (i64 i = 0; i < n; ++i) REQUIRE(same_bits_or_nan(back[i], to_float(want[i])));
+        REQUIRE(back[n] == 7.0f);
+      }
       each_path([&](bool) {
         check("to_bf16", [](const float* s, bf16* d, i64 m) { to_bf16(s, d, m); });
         std::vector<float> back(static_cast<std::size_t>(n + 1), 7.0f);
