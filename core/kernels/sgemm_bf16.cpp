@@ -706,13 +706,15 @@ void block_product_fma(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
       const i64 from = std::min(ir / kMR * slice, next_bytes);
       const char* ahead = next ? next + from : nullptr;
       const char* ahead_end = next ? next + std::min(from + slice, next_bytes) : nullptr;
+      float* Ct = g.C + (r0 + ir) * g.ldc + q * kNR;
+      const int mv = static_cast<int>(std::min<i64>(kMR, mc - ir));
+      prefetch_tile(Ct, g.ldc, mv, nv);  // the tile's C lines arrive while it sums, as the native kernel's
       const unsigned csr = _mm_getcsr();  // read per tile: the stores' flags stay raised
       _mm_setcsr(ftz_csr(csr));
       if (wide) tile_fma512(pairs, At, Bj, acc, ahead, ahead_end);
       else tile_fma256(pairs, At, Bj, acc);
       _mm_setcsr(csr);
-      store_tile(acc, g.C + (r0 + ir) * g.ldc + q * kNR, g.ldc, g.alpha, be,
-                 static_cast<int>(std::min<i64>(kMR, mc - ir)), nv);
+      store_tile(acc, Ct, g.ldc, g.alpha, be, mv, nv);
     }
   }
 #else
