@@ -18,6 +18,7 @@
 
 #include "kernels/isa.h"
 #include "kernels/parallel.h"
+#include "kernels/transpose.h"
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define TG_BF16_X86 1
@@ -316,15 +317,53 @@ void split_a(const u32* Aw, bool ta, i64 mcp, i64 pairs, u32* Af) {
 }
 #endif
 
-// A panel of pair words, pairs x 64 at W, as floats at D: pair p's 64 odd-k values at
-// D[128 p], then its 64 even-k values. W may be D + 64 pairs (the split then runs in place: pair
-// p's words are read before its 128 floats are written, and pair p + 1's words lie past them).
-void split_b(const u32* W, i64 pairs, u32* D) {
-  for (i64 p = 0; p < pairs; ++p) {
-    alignas(64) u32 w[kNR];
-    std::memcpy(w, W + p * kNR, sizeof w);
-    for (int j = 0; j < kNR; ++j) D[p * 2 * kNR + j] = odd_half(w[j]);
-    for (int j = 0; j < kNR; ++j) D[p * 2 * kNR + kNR + j] = even_half(w[j]);
+// The split panel straight from op(B), without the pair words between: D[(2p + h) * 64 + j] =
+// b(k0 + 2p + 1 - h, n0 + j)'s bf16 as a float, a zero of its sign when subnormal: pair p's 64
+// odd-k values, then its 64 even-k values (row k of the block goes to row k ^ 1), zero past kc and
+// nc. B^T (the weight of a forward product) is read as 8 x 8 blocks of its rows, transposed in
+// registers (transpose8x8); B row by row. Compiled for AVX2, which the fma path's CPUs have, so the
+// loops over eight columns run in vector registers.
+[[gnu::target("avx2,fma")]] inline u32 split_value(float x) { return odd_half(hi_of(x)); }
+[[gnu::target("avx2,fma")]] inline u32 split_value(std::uint16_t h) { return odd_half(static_cast<u32>(h) << 16); }
+
+template <class T>
+[[gnu::target("avx2,fma")]] void pack_b_split(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* D) {
+  using S = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;  // bf16 read as its bits
+  const S* b = reinterpret_cast<const S*>(B);
+  const i64 rows = 2 * ((kc + 1) / 2);
+  if (!tb) {
+    for (i64 k = 0; k < rows; ++k) {
+      u32* d = D + (k ^ 1) * kNR;
+      if (k >= kc) {
+        std::fill(d, d + kNR, u32{0});
+        continue;
+      }
+      const S* r = b + (k0 + k) * ld + n0;
+      for (i64 j = 0; j < nc; ++j) d[j] = split_value(r[j]);
+      std::fill(d + nc, d + kNR, u32{0});
+    }
+    return;
+  }
+  const i64 k8 = kc / 8 * 8, j8 = nc / 8 * 8;
+  alignas(32) S blk[64];
+  for (i64 j = 0; j < j8; j += 8) {
+    const S* r = b + (n0 + j) * ld + k0;  // row n0 + j of B: column j of the panel
+    for (i64 k = 0; k < k8; k += 8) {
+      transpose8x8(r + k, ld, blk, 8);  // blk[kk * 8 + jj] = b(k + kk, j + jj)
+      for (int kk = 0; kk < 8; ++kk) {
+        u32* d = D + ((k + kk) ^ 1) * kNR + j;
+        for (int jj = 0; jj < 8; ++jj) d[jj] = split_value(blk[kk * 8 + jj]);
+      }
+    }
+    for (i64 k = k8; k < kc; ++k)
+      for (int jj = 0; jj < 8; ++jj) D[(k ^ 1) * kNR + j + jj] = split_value(r[jj * ld + k]);
+  }
+  for (i64 j = j8; j < nc; ++j)
+    for (i64 k = 0; k < kc; ++k) D[(k ^ 1) * kNR + j] = split_value(b[(n0 + j) * ld + k0 + k]);
+  for (i64 k = 0; k < rows; ++k) {
+    u32* d = D + (k ^ 1) * kNR;
+    if (k >= kc) std::fill(d, d + kNR, u32{0});
+    else std::fill(d + nc, d + kNR, u32{0});
   }
 }
 
@@ -882,10 +921,9 @@ struct Plan {
   // Panel q of K block b; for AMX with zero pairs up to the block's last whole chunk of 32.
   void pack_panel(i64 b, i64 q, u32* d) const {
     const i64 pc = b * kcb, kc = std::min(kcb, g->K - pc), n0 = q * kNR;
-    const i64 pairs = (kc + 1) / 2;
-    if (path == Path::fma) {  // the words in the panel's second half, then split forward in place
-      pack_b_panel(g->tb, g->B, pc, kc, n0, std::min<i64>(kNR, g->N - n0), d + pairs * kNR, false);
-      return split_b(d + pairs * kNR, pairs, d);
+    if (path == Path::fma) {
+      if (g->B.f) return pack_b_split(g->tb, g->B.f, g->B.ld, pc, kc, n0, std::min<i64>(kNR, g->N - n0), d);
+      return pack_b_split(g->tb, g->B.h, g->B.ld, pc, kc, n0, std::min<i64>(kNR, g->N - n0), d);
     }
     pack_b_panel(g->tb, g->B, pc, kc, n0, std::min<i64>(kNR, g->N - n0), d, path != Path::emulated);
     if (path == Path::amx) std::fill(d + (kc + 1) / 2 * kNR, d + round_up(kc, kAmxK) / 2 * kNR, u32{0});
