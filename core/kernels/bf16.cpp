@@ -17,19 +17,58 @@ void to_bf16_portable(const float* x, bf16* y, std::int64_t n) {
 }
 
 #ifdef TG_BF16_X86
+// AVX-512F: the definition's integer rounding in 16 lanes, for CPUs without AVX512_BF16 (and for
+// the subnormal lanes of the AVX512_BF16 conversion below), and the exact widening. The maskz_
+// forms with every lane set keep GCC 12 from warning that the plain forms' undefined source is
+// uninitialised.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+#pragma GCC target("avx512f")
 
 namespace {
 
 // The definition's rounding of 16 floats, u + 0x7FFF + ((u >> 16) & 1), the bf16 in each lane's
-// low half; for finite lanes only (convert32 takes only subnormal lanes from it).
+// low half; right for every lane but NaN, which the definition makes quiet (to_bf16_avx512f does;
+// convert32 takes only subnormal lanes from it).
 inline __m512i round_finite(__m512 v) {
   const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
   const __m512i odd = _mm512_and_si512(_mm512_maskz_srli_epi32(0xFFFF, u, 16), one);
   const __m512i t = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
   return _mm512_maskz_srli_epi32(0xFFFF, t, 16);
 }
+
+}  // namespace
+
+// The last n % 16 values by the scalar definition.
+void to_bf16_avx512f(const float* x, bf16* y, std::int64_t n) {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000),
+                quiet = _mm512_set1_epi32(0x00400000);
+  std::int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512i u = _mm512_castps_si512(v);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+    // a NaN stays a NaN, made quiet: (u | 0x00400000) >> 16
+    const __m512i r = _mm512_mask_srli_epi32(round_finite(v), nan, _mm512_or_si512(u, quiet), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm512_maskz_cvtepi32_epi16(0xFFFF, r));
+  }
+  for (; i < n; ++i) y[i] = to_bf16(x[i]);
+}
+
+void to_float_avx512f(const bf16* x, float* y, std::int64_t n) {
+  std::int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i h = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
+    _mm512_storeu_si512(y + i, _mm512_maskz_slli_epi32(0xFFFF, h, 16));
+  }
+  for (; i < n; ++i) y[i] = to_float(x[i]);
+}
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+
+namespace {
 
 // 32 floats (m selects which are loaded; the others read as 0) -> 32 bf16. vcvtne2ps2bf16 flushes
 // float32 subnormals to zero; a block that holds one (|bits| in (0, 0x00800000)) is redone by the
@@ -68,54 +107,8 @@ void to_bf16_avx512(const float* x, bf16* y, std::int64_t n) {
   }
 }
 
-namespace {
-void to_float_avx512(const bf16* x, float* y, std::int64_t n) {
-  std::int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i h = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
-    _mm512_storeu_si512(y + i, _mm512_maskz_slli_epi32(0xFFFF, h, 16));
-  }
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512i h = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_maskz_loadu_epi16(m, x + i));
-    _mm512_mask_storeu_epi32(y + i, m, _mm512_maskz_slli_epi32(0xFFFF, h, 16));
-  }
-}
-}  // namespace
-
 #pragma GCC pop_options
 
-// AVX-512F without AVX512_BF16: the definition's integer rounding (bf16_round_bits), 16 lanes at a
-// time, narrowed by vpmovdw; the last n % 16 values by the scalar definition. (The maskz_ forms with
-// every lane set keep GCC 12 from warning that the plain forms' undefined source is uninitialised.)
-#pragma GCC push_options
-#pragma GCC target("avx512f")
-
-void to_bf16_avx512f(const float* x, bf16* y, std::int64_t n) {
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000),
-                quiet = _mm512_set1_epi32(0x00400000), half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  std::int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i u = _mm512_loadu_si512(x + i);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
-    const __m512i odd = _mm512_and_si512(_mm512_maskz_srli_epi32(0xFFFF, u, 16), one);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(half, odd));
-    r = _mm512_mask_or_epi32(r, nan, u, quiet);  // a NaN stays a NaN, made quiet
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm512_maskz_cvtepi32_epi16(0xFFFF, _mm512_maskz_srli_epi32(0xFFFF, r, 16)));
-  }
-  for (; i < n; ++i) y[i] = to_bf16(x[i]);
-}
-
-void to_float_avx512f(const bf16* x, float* y, std::int64_t n) {
-  std::int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i h = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
-    _mm512_storeu_si512(y + i, _mm512_maskz_slli_epi32(0xFFFF, h, 16));
-  }
-  for (; i < n; ++i) y[i] = to_float(x[i]);
-}
-
-#pragma GCC pop_options
 #else
 void to_bf16_avx512(const float* x, bf16* y, std::int64_t n) { to_bf16_portable(x, y, n); }
 void to_bf16_avx512f(const float* x, bf16* y, std::int64_t n) { to_bf16_portable(x, y, n); }
@@ -136,7 +129,6 @@ void to_bf16(const float* x, bf16* y, std::int64_t n) {
 
 void to_float(const bf16* x, float* y, std::int64_t n) {
 #ifdef TG_BF16_X86
-  if (isa() >= Isa::avx512_bf16) return bf16_impl::to_float_avx512(x, y, n);
   if (isa() >= Isa::avx512) return bf16_impl::to_float_avx512f(x, y, n);
 #endif
   for (std::int64_t i = 0; i < n; ++i) y[i] = to_float(x[i]);

@@ -4,6 +4,7 @@
 // (sgemm_avx2.h), float64 ones and other builds' through OpenBLAS (cblas_sgemm / cblas_dgemm), and
 // splits large products across the OpenMP team itself (gemm.cpp); gemm_naive() is the reference
 // both are tested against: a plain triple loop accumulating in double.
+#include <algorithm>
 #include <cstdint>
 
 namespace tg::kernels {
@@ -56,6 +57,35 @@ inline void prefetch_tile(const float* C, std::int64_t ld, int mv, int nv) {
     __builtin_prefetch(r + nv - 1, 1);  // the row's last line, when it starts inside a line
   }
 }
+
+// A run of 64-byte lines that a register tile asks for into L2 as it runs (prefetcht1), one line
+// every 1, 2 or 4 steps of its loop over k: part of the panel of B that the next tiles read. A
+// product's packed B is often larger than L2 (9.4-25 MB for the GPT-2-small MLP's products), so
+// without it each panel's first tile reads the panel from L3 or memory, at a pace the hardware
+// prefetcher, which restarts at every 4 KB page, does not keep up with (docs/performance.md, "The
+// next panel of B in L2"). A hint only: it changes no result.
+struct Ahead {
+  const char* p = nullptr;    // the next line to ask for
+  const char* end = nullptr;  // past the last
+  std::int64_t mask = 3;      // a line at each step k with (k & mask) == mask
+
+  // Tile t of `tiles` takes the t-th of equal slices of the whole lines of [next, next + bytes),
+  // asked for at the slowest of the three rates that covers its slice in `steps` steps (at most a
+  // line a step: a slice of more lines than steps is asked for in part). next null: nothing.
+  static Ahead slice(const void* next, std::int64_t bytes, std::int64_t tiles, std::int64_t t, std::int64_t steps) {
+    if (!next || bytes < 64 || tiles <= 0) return {};
+    const std::int64_t lines = bytes / 64, per = (lines + tiles - 1) / tiles;
+    const std::int64_t from = std::min(t * per, lines), to = std::min(from + per, lines);
+    const auto* c = static_cast<const char*>(next);
+    return {c + from * 64, c + to * 64, 4 * per <= steps ? 3 : 2 * per <= steps ? 1 : 0};
+  }
+  void step(std::int64_t k) {
+    if ((k & mask) == mask && p < end) {
+      __builtin_prefetch(p, 0, 2);  // locality 2: prefetcht1, into L2
+      p += 64;
+    }
+  }
+};
 
 // Asks for rows [r, r + n) of x (cols elements each, leading dimension ld), clipped to rows: for
 // loops that read a few hundred elements of a row at a time, rows far apart, a pattern the

@@ -23,7 +23,7 @@ struct Tile {
   static constexpr i64 KC = 768;
   static constexpr i64 MC = 144;    // rows of C per block: 144 x 768 floats of A = 432 KB, under half a 1 MB L2
   static constexpr i64 NC = 2048;   // columns of B packed at once: 6 MB at kc = 768
-  static constexpr bool kAhead = false;  // no slice of the next panel (sgemm_driver::Ahead): not measured here
+  static constexpr bool kAhead = false;  // no slice of the next panel (gemm.h's Ahead): not measured with this tile
 
   // The 6 x 16 tile C[0..mv) x [0..nv) = alpha * sum_k a(i, k) b(k, j) + beta * C, over k < kc.
   // b(k, j) = Bp[k * 16 + j] (a packed, 32-byte aligned panel). ROWS: a(i, k) = A[i * lda + k]
@@ -34,7 +34,7 @@ struct Tile {
   // tile's 14 rows cannot each have a pointer in 16 general registers.)
   template <bool ROWS>
   static void kernel(i64 kc, const float* __restrict A, i64 lda, const float* __restrict Bp, float* C, i64 ldc,
-                     float alpha, float beta, int mv, int nv, sgemm_driver::Ahead) {
+                     float alpha, float beta, int mv, int nv, Ahead) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
            c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     const i64 row = ROWS ? lda : 1, step = ROWS ? 1 : lda;

@@ -79,12 +79,12 @@ struct Tile {
   static constexpr i64 KC = 768;       // K per block, as the AVX2 tile's: a panel of B is kc x 4 NR bytes
   static constexpr i64 MC = MC_;       // rows of C per block: MC x 768 floats of A, under half a 1 MB L2
   static constexpr i64 NC = NC_;       // columns of B packed at once: about 6 MB at kc = 768
-  static constexpr bool kAhead = AHEAD;  // the driver hands the tile a slice of the next panel (sgemm_driver::Ahead)
+  static constexpr bool kAhead = AHEAD;  // the driver hands the tile a slice of the next panel (gemm.h's Ahead)
   static_assert(MR * NV + NV + 1 <= 32, "accumulators, the row of B and the broadcast fit in 32 zmm");
 
   template <bool ROWS>
   static void kernel(i64 kc, const float* __restrict A, i64 lda, const float* __restrict Bp, float* C, i64 ldc,
-                     float alpha, float beta, int mv, int nv, sgemm_driver::Ahead ahead) {
+                     float alpha, float beta, int mv, int nv, Ahead ahead) {
     __m512 c[MR][NV];
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
@@ -105,10 +105,7 @@ struct Tile {
       }
       A += step;
       Bp += NR;
-      if ((k & 3) == 3 && ahead.p < ahead.end) {  // one line of the next panel every four k
-        _mm_prefetch(ahead.p, _MM_HINT_T1);
-        ahead.p += 64;
-      }
+      if constexpr (AHEAD) ahead.step(k);  // a line of the next panel every 1, 2 or 4 k
     }
     // A full tile goes straight to C; an edge tile to a buffer, then its valid part to C.
     alignas(64) float edge[MR * NR];

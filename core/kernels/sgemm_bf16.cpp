@@ -25,6 +25,14 @@
 #include <immintrin.h>
 #endif
 
+// The fma path's scalar helpers are compiled for AVX2 + FMA on x86, which its CPUs have (std::fma
+// an instruction, loops of eight floats in one register), and for the build's target elsewhere.
+#ifdef TG_BF16_X86
+#define TG_BF16_AVX2 [[gnu::target("avx2,fma")]]
+#else
+#define TG_BF16_AVX2
+#endif
+
 namespace tg::kernels {
 
 namespace {
@@ -51,8 +59,8 @@ i64 block(i64 n, i64 most, i64 unit) {
 
 i64 round_up(i64 n, i64 unit) { return (n + unit - 1) / unit * unit; }
 
-// ---- Packing (the same words for every path, so they multiply the same bits; the native paths
-// pack B^T with AVX-512, pack_b_trans_native) ------------------------------------------------------
+// ---- Packing (the same words for every path but the fma one, whose B is split as it is packed,
+// pack_b_split; the native paths pack B^T with AVX-512, pack_b_trans_native) --------------------
 
 // The packers ask for op(A)'s rows this many steps ahead (prefetch_rows, gemm.h).
 constexpr i64 kPackAhead = 2;
@@ -291,15 +299,12 @@ void split_a(const u32* Aw, bool ta, i64 mcp, i64 pairs, u32* Af) {
 
 [[gnu::target("avx512f")]] void split_a_avx512(const u32* Aw, bool ta, i64 mcp, i64 pairs, u32* Af) {
   auto* out = reinterpret_cast<std::uint64_t*>(Af);  // out[(q * pairs + p) * 6 + i]: row 6q + i's pair p
-  auto scalar = [&](i64 q, i64 p, i64 i) {
-    const u32 w = ta ? Aw[(q * pairs + p) * kMR + i] : Aw[(q * kMR + i) * pairs + p];
-    out[(q * pairs + p) * kMR + i] = odd_half(w) | static_cast<std::uint64_t>(even_half(w)) << 32;
-  };
+  auto split1 = [](u32 w) { return odd_half(w) | static_cast<std::uint64_t>(even_half(w)) << 32; };
   if (ta) {  // words and split floats in the same order: word j -> out[j]
     const i64 n = mcp * pairs;
     i64 j = 0;
     for (; j + 8 <= n; j += 8) _mm512_storeu_si512(out + j, split8(Aw + j));
-    for (; j < n; ++j) out[j] = odd_half(Aw[j]) | static_cast<std::uint64_t>(even_half(Aw[j])) << 32;
+    for (; j < n; ++j) out[j] = split1(Aw[j]);
     return;
   }
   for (i64 q = 0; q < mcp / kMR; ++q) {
@@ -312,7 +317,7 @@ void split_a(const u32* Aw, bool ta, i64 mcp, i64 pairs, u32* Af) {
         for (int i = 0; i < kMR; ++i) d[p * kMR + i] = t[i][p];
     }
     for (; p0 < pairs; ++p0)
-      for (i64 i = 0; i < kMR; ++i) scalar(q, p0, i);
+      for (i64 i = 0; i < kMR; ++i) out[(q * pairs + p0) * kMR + i] = split1(Aw[(q * kMR + i) * pairs + p0]);
   }
 }
 #endif
@@ -321,13 +326,12 @@ void split_a(const u32* Aw, bool ta, i64 mcp, i64 pairs, u32* Af) {
 // b(k0 + 2p + 1 - h, n0 + j)'s bf16 as a float, a zero of its sign when subnormal: pair p's 64
 // odd-k values, then its 64 even-k values (row k of the block goes to row k ^ 1), zero past kc and
 // nc. B^T (the weight of a forward product) is read as 8 x 8 blocks of its rows, transposed in
-// registers (transpose8x8); B row by row. Compiled for AVX2, which the fma path's CPUs have, so the
-// loops over eight columns run in vector registers.
-[[gnu::target("avx2,fma")]] inline u32 split_value(float x) { return odd_half(hi_of(x)); }
-[[gnu::target("avx2,fma")]] inline u32 split_value(std::uint16_t h) { return odd_half(static_cast<u32>(h) << 16); }
+// registers (transpose8x8); B row by row.
+TG_BF16_AVX2 inline u32 split_value(float x) { return daz_bits(hi_of(x)); }
+TG_BF16_AVX2 inline u32 split_value(std::uint16_t h) { return daz_bits(static_cast<u32>(h) << 16); }
 
 template <class T>
-[[gnu::target("avx2,fma")]] void pack_b_split(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* D) {
+TG_BF16_AVX2 void pack_b_split(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* D) {
   using S = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;  // bf16 read as its bits
   const S* b = reinterpret_cast<const S*>(B);
   const i64 rows = 2 * ((kc + 1) / 2);
@@ -377,11 +381,11 @@ inline unsigned ftz_csr(unsigned csr) { return (csr & ~0x6000u) | 0x8000u | 0x1F
 // the odd k first, from split panels: A's 12 floats per pair, B's 128. Called with flush-to-zero
 // on (ftz_csr); never inlined, so no operation of its own moves outside that setting. The
 // AVX-512F version holds the tile in 24 zmm; the AVX2 one in 12 ymm, 16 columns at a time. The
-// AVX-512F one also asks for [ahead, ahead_end), a slice of the panel the next tiles read, into L2,
-// one 64-byte line every two pairs (a hint only; sgemm_driver.h's Ahead says why).
+// AVX-512F one also asks for its slice of the panel the next tiles read into L2 (gemm.h's Ahead),
+// a line every 1, 2 or 4 pairs.
 #ifdef TG_BF16_X86
 [[gnu::noinline, gnu::target("avx512f")]] void tile_fma512(i64 pairs, const float* A, const float* B, float* acc,
-                                                           const char* ahead, const char* ahead_end) {
+                                                           Ahead ahead) {
   __m512 c[kMR][4];
 #pragma GCC unroll 6
   for (int i = 0; i < kMR; ++i)
@@ -402,10 +406,7 @@ inline unsigned ftz_csr(unsigned csr) { return (csr & ~0x6000u) | 0x8000u | 0x1F
     }
     A += 2 * kMR;
     B += 2 * kNR;
-    if ((p & 1) == 1 && ahead < ahead_end) {
-      _mm_prefetch(ahead, _MM_HINT_T1);
-      ahead += 64;
-    }
+    ahead.step(p);
   }
 #pragma GCC unroll 6
   for (int i = 0; i < kMR; ++i)
@@ -743,12 +744,8 @@ void block_product_amx(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
 }
 
 // The stores of a tile's sums, C = alpha acc (beta = 0) or fma(beta, C, alpha acc), as the
-// native kernel's: acc is 6 x 64, row stride 64. Compiled for AVX2 + FMA, which the fma path's
-// CPUs have, so that std::fma is an instruction and not a library call in a build without -march.
-#ifdef TG_BF16_X86
-[[gnu::target("avx2,fma")]]
-#endif
-void store_tile(const float* acc, float* C, i64 ldc, float alpha, float beta, int mv, int nv) {
+// native kernel's: acc is 6 x 64, row stride 64.
+TG_BF16_AVX2 void store_tile(const float* acc, float* C, i64 ldc, float alpha, float beta, int mv, int nv) {
   for (int i = 0; i < mv; ++i)
     for (int j = 0; j < nv; ++j) store(acc[i * kNR + j], alpha, beta, C[i * ldc + j]);
 }
@@ -775,24 +772,21 @@ void block_product_fma(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
   if (wide) split_a_avx512(Aw, g.ta, mcp, pairs, Af);
   else split_a(Aw, g.ta, mcp, pairs, Af);
   alignas(64) float acc[kMR * kNR];
-  // The next panel of this block (split: 2 pairs x 64 floats a pair), in equal slices, one a tile.
-  const i64 next_bytes = pairs * 2 * kNR * static_cast<i64>(sizeof(float)), tiles = mcp / kMR,
-            slice = (next_bytes / 64 + tiles - 1) / tiles * 64;
+  // The next panel of this block (split: pairs x 2 x 64 floats), in equal slices, one a tile. The
+  // last panel asks for nothing: a product's K is at most two blocks of 1,536 here.
+  const i64 next_bytes = pairs * 2 * kNR * static_cast<i64>(sizeof(float)), tiles = mcp / kMR;
   for (i64 q = q0; q < q1; ++q) {
     const int nv = static_cast<int>(std::min<i64>(kNR, g.N - q * kNR));
     const auto* Bj = reinterpret_cast<const float*>(Bk + q * pstride);
-    const char* next = q + 1 < q1 ? reinterpret_cast<const char*>(Bk + (q + 1) * pstride) : nullptr;
+    const u32* next = q + 1 < q1 ? Bk + (q + 1) * pstride : nullptr;
     for (i64 ir = 0; ir < mc; ir += kMR) {
       const auto* At = reinterpret_cast<const float*>(Af + ir * 2 * pairs);
-      const i64 from = std::min(ir / kMR * slice, next_bytes);
-      const char* ahead = next ? next + from : nullptr;
-      const char* ahead_end = next ? next + std::min(from + slice, next_bytes) : nullptr;
       float* Ct = g.C + (r0 + ir) * g.ldc + q * kNR;
       const int mv = static_cast<int>(std::min<i64>(kMR, mc - ir));
       prefetch_tile(Ct, g.ldc, mv, nv);  // the tile's C lines arrive while it sums, as the native kernel's
       const unsigned csr = _mm_getcsr();  // read per tile: the stores' flags stay raised
       _mm_setcsr(ftz_csr(csr));
-      if (wide) tile_fma512(pairs, At, Bj, acc, ahead, ahead_end);
+      if (wide) tile_fma512(pairs, At, Bj, acc, Ahead::slice(next, next_bytes, tiles, ir / kMR, pairs));
       else tile_fma256(pairs, At, Bj, acc);
       _mm_setcsr(csr);
       store_tile(acc, Ct, g.ldc, g.alpha, be, mv, nv);
@@ -963,7 +957,7 @@ bool fma_flush_exact(bool wide) {
   }
   const unsigned csr = _mm_getcsr();
   _mm_setcsr(ftz_csr(csr));
-  if (wide) tile_fma512(1, A, B, acc, nullptr, nullptr);
+  if (wide) tile_fma512(1, A, B, acc, Ahead{});
   else tile_fma256(1, A, B, acc);
   _mm_setcsr((ftz_csr(csr) & ~0x8040u));  // the reference: nearest even, no flush-to-zero, no DAZ
   bool same = true;

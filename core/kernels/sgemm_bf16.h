@@ -52,8 +52,9 @@
 // 64 columns with k in pairs (the 32-bit pair (b(k, j), b(k+1, j)) is what vdpbf16ps multiplies
 // per lane), op(A) packed per block of rows (A as bf16 rows, A^T as 6-row panels of pairs), and a
 // 6 x 64 register tile: 24 zmm accumulators, 4 for B, 1 for the broadcast pair of A. The fused
-// multiply-add path splits both packings into float32 (A's pairs into 6-row panels) and runs a
-// 6 x 64 float32 tile: 24 zmm, or 12 ymm 16 columns at a time with AVX2.
+// multiply-add path splits each pair into two float32 (A's packed pairs into 6-row panels; B's
+// panels as they are packed from op(B)) and runs a 6 x 64 float32 tile: 24 zmm, or 12 ymm 16
+// columns at a time with AVX2.
 #include <cstdint>
 
 #include "kernels/bf16.h"

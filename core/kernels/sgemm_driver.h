@@ -6,7 +6,8 @@
 //   struct Tile {
 //     static constexpr int MR, NR;        // rows and columns of C per kernel call (NR a multiple of 8)
 //     static constexpr i64 KC, MC, NC;    // K per block, rows of C per block, columns of B per pack
-//     template <bool ROWS> static void kernel(kc, A, lda, Bp, C, ldc, alpha, beta, mv, nv);
+//     static constexpr bool kAhead;       // whether the tile asks for the next panel (gemm.h's Ahead)
+//     template <bool ROWS> static void kernel(kc, A, lda, Bp, C, ldc, alpha, beta, mv, nv, ahead);
 //   };
 //
 // kernel computes the MR x NR tile C[0..mv) x [0..nv) = alpha sum_{k < kc} a(i, k) b(k, j) + beta C
@@ -126,18 +127,6 @@ inline void transpose8(__m256 r[8]) {
     r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
   }
 }
-
-// A run of 64-byte lines that a kernel asks for into L2 while it runs (prefetcht1), one line every
-// four k: part of the panel of B that the next tiles read. block_product gives each tile of a row
-// block an equal slice of the next panel, so the panel is in L2 when its first tile starts. Packed B
-// is written by the whole team before the items run, and in the step it is often larger than L2
-// (9.4 MB for the GPT-2-small MLP's weight), so the first tile on each panel would otherwise read it
-// from L3 or memory at a pace the hardware prefetcher, restarted at every page, does not keep up
-// with. A hint only: it changes no result. Measured in docs/performance.md ("The next panel of B").
-struct Ahead {
-  const char* p = nullptr;  // the next line to ask for
-  const char* end = nullptr;  // one past the slice's last line
-};
 
 template <class Tile>
 struct Driver {
@@ -273,7 +262,7 @@ struct Driver {
   // panel). tri lets a tile skip what a triangle makes zero or unneeded (gemm.h); c0 is the column
   // of C where panel 0 starts. When Tile::kAhead, the tiles on panel q ask for panel q + 1, and
   // those on the last panel for `after` (after_floats of it: the panel the caller runs next, or
-  // null).
+  // null), each tile a slice (gemm.h's Ahead).
   static void block_product(bool ta, const float* A, i64 lda, i64 r0, i64 r1, i64 pc, i64 kc, const float* Bk,
                             i64 pstride, i64 q0, i64 q1, i64 N, float alpha, float be, float* C, i64 ldc, float* Ap,
                             Tri tri, i64 c0, const float* after = nullptr, i64 after_floats = 0) {
@@ -289,21 +278,12 @@ struct Driver {
       const int nv = static_cast<int>(std::min<i64>(NR, N - q * NR));
       const float* Bj = Bk + q * pstride;
       float* Cj = C + r0 * ldc + q * NR;
-      // The next panel, in equal slices of whole lines, one a tile.
-      const char* next = nullptr;
-      i64 next_bytes = 0, slice = 0;
-      if constexpr (Tile::kAhead) {
-        next = reinterpret_cast<const char*>(q + 1 < q1 ? Bj + pstride : after);
-        next_bytes = (q + 1 < q1 ? NR * kc : after_floats) * static_cast<i64>(sizeof(float));
-        slice = (next_bytes / 64 + tiles - 1) / tiles * 64;
-      }
+      // The next panel, in equal slices, one a tile (tiles a triangle skips leave theirs).
+      const float* next = q + 1 < q1 ? Bj + pstride : after;
+      const i64 next_bytes = (q + 1 < q1 ? NR * kc : after_floats) * static_cast<i64>(sizeof(float));
       for (i64 ir = 0; ir < mc; ir += MR) {
         const int mv = static_cast<int>(std::min<i64>(MR, mc - ir));
-        Ahead ahead;
-        if (next) {
-          const i64 from = std::min(ir / MR * slice, next_bytes);
-          ahead = {next + from, next + std::min(from + slice, next_bytes)};
-        }
+        const Ahead ahead = Tile::kAhead ? Ahead::slice(next, next_bytes, tiles, ir / MR, kc) : Ahead{};
         // The tile's rows [r, r + mv) and its part of this K block, [off, off + len).
         const i64 r = r0 + ir;
         i64 off = 0, len = kc;
