@@ -60,10 +60,11 @@ inline void prefetch_tile(const float* C, std::int64_t ld, int mv, int nv) {
 
 // A run of 64-byte lines that a register tile asks for into L2 as it runs (prefetcht1), one line
 // every 1, 2 or 4 steps of its loop over k: part of the panel of B that the next tiles read. A
-// product's packed B is often larger than L2 (9.4-25 MB for the GPT-2-small MLP's products), so
+// product's packed B is often larger than L2 (6.3-25 MB for the GPT-2-small MLP's products), so
 // without it each panel's first tile reads the panel from L3 or memory, at a pace the hardware
 // prefetcher, which restarts at every 4 KB page, does not keep up with (docs/performance.md, "The
-// next panel of B in L2"). A hint only: it changes no result.
+// next panel of B in L2"). A hint only: it changes no result. (Attention's RowsAhead, attention.h,
+// does the same for rows far apart, spread over a work item's tile pairs.)
 struct Ahead {
   const char* p = nullptr;    // the next line to ask for
   const char* end = nullptr;  // past the last

@@ -334,37 +334,31 @@ template <class T>
 TG_BF16_AVX2 void pack_b_split(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* D) {
   using S = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;  // bf16 read as its bits
   const S* b = reinterpret_cast<const S*>(B);
-  const i64 rows = 2 * ((kc + 1) / 2);
   if (!tb) {
-    for (i64 k = 0; k < rows; ++k) {
-      u32* d = D + (k ^ 1) * kNR;
-      if (k >= kc) {
-        std::fill(d, d + kNR, u32{0});
-        continue;
-      }
+    for (i64 k = 0; k < kc; ++k) {
       const S* r = b + (k0 + k) * ld + n0;
+      u32* d = D + (k ^ 1) * kNR;
       for (i64 j = 0; j < nc; ++j) d[j] = split_value(r[j]);
-      std::fill(d + nc, d + kNR, u32{0});
     }
-    return;
-  }
-  const i64 k8 = kc / 8 * 8, j8 = nc / 8 * 8;
-  alignas(32) S blk[64];
-  for (i64 j = 0; j < j8; j += 8) {
-    const S* r = b + (n0 + j) * ld + k0;  // row n0 + j of B: column j of the panel
-    for (i64 k = 0; k < k8; k += 8) {
-      transpose8x8(r + k, ld, blk, 8);  // blk[kk * 8 + jj] = b(k + kk, j + jj)
-      for (int kk = 0; kk < 8; ++kk) {
-        u32* d = D + ((k + kk) ^ 1) * kNR + j;
-        for (int jj = 0; jj < 8; ++jj) d[jj] = split_value(blk[kk * 8 + jj]);
+  } else {
+    const i64 k8 = kc / 8 * 8, j8 = nc / 8 * 8;
+    alignas(32) S blk[64];
+    for (i64 j = 0; j < j8; j += 8) {
+      const S* r = b + (n0 + j) * ld + k0;  // row n0 + j of B: column j of the panel
+      for (i64 k = 0; k < k8; k += 8) {
+        transpose8x8(r + k, ld, blk, 8);  // blk[kk * 8 + jj] = b(k + kk, j + jj)
+        for (int kk = 0; kk < 8; ++kk) {
+          u32* d = D + ((k + kk) ^ 1) * kNR + j;
+          for (int jj = 0; jj < 8; ++jj) d[jj] = split_value(blk[kk * 8 + jj]);
+        }
       }
+      for (i64 k = k8; k < kc; ++k)
+        for (int jj = 0; jj < 8; ++jj) D[(k ^ 1) * kNR + j + jj] = split_value(r[jj * ld + k]);
     }
-    for (i64 k = k8; k < kc; ++k)
-      for (int jj = 0; jj < 8; ++jj) D[(k ^ 1) * kNR + j + jj] = split_value(r[jj * ld + k]);
+    for (i64 j = j8; j < nc; ++j)
+      for (i64 k = 0; k < kc; ++k) D[(k ^ 1) * kNR + j] = split_value(b[(n0 + j) * ld + k0 + k]);
   }
-  for (i64 j = j8; j < nc; ++j)
-    for (i64 k = 0; k < kc; ++k) D[(k ^ 1) * kNR + j] = split_value(b[(n0 + j) * ld + k0 + k]);
-  for (i64 k = 0; k < rows; ++k) {
+  for (i64 k = 0, rows = 2 * ((kc + 1) / 2); k < rows; ++k) {  // zeros past nc, and the row past an odd kc
     u32* d = D + (k ^ 1) * kNR;
     if (k >= kc) std::fill(d, d + kNR, u32{0});
     else std::fill(d + nc, d + kNR, u32{0});
@@ -772,8 +766,9 @@ void block_product_fma(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
   if (wide) split_a_avx512(Aw, g.ta, mcp, pairs, Af);
   else split_a(Aw, g.ta, mcp, pairs, Af);
   alignas(64) float acc[kMR * kNR];
-  // The next panel of this block (split: pairs x 2 x 64 floats), in equal slices, one a tile. The
-  // last panel asks for nothing: a product's K is at most two blocks of 1,536 here.
+  // The next panel of this block (split: pairs x 2 x 64 floats), in equal slices, one a tile. A
+  // block's last panel asks for nothing: the next K block's first panel is not passed in here, and
+  // the GPT's products have one K block, or two (K = 2,048 and 3,072), in bf16.
   const i64 next_bytes = pairs * 2 * kNR * static_cast<i64>(sizeof(float)), tiles = mcp / kMR;
   for (i64 q = q0; q < q1; ++q) {
     const int nv = static_cast<int>(std::min<i64>(kNR, g.N - q * kNR));
