@@ -34,7 +34,7 @@ struct Tile {
   // tile's 14 rows cannot each have a pointer in 16 general registers.)
   template <bool ROWS>
   static void kernel(i64 kc, const float* __restrict A, i64 lda, const float* __restrict Bp, float* C, i64 ldc,
-                     float alpha, float beta, int mv, int nv, Ahead) {
+                     float alpha, float beta, int mv, int nv, const Ahead&) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
            c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     const i64 row = ROWS ? lda : 1, step = ROWS ? 1 : lda;

@@ -84,7 +84,8 @@ struct Tile {
 
   template <bool ROWS>
   static void kernel(i64 kc, const float* __restrict A, i64 lda, const float* __restrict Bp, float* C, i64 ldc,
-                     float alpha, float beta, int mv, int nv, Ahead ahead) {
+                     float alpha, float beta, int mv, int nv, const Ahead& next) {
+    Ahead ahead = next;  // by reference: a struct built just before the call, copied field by field
     __m512 c[MR][NV];
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)

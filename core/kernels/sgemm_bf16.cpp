@@ -138,7 +138,7 @@ void pack_a_rows(const Bf16Operand& A, i64 r0, i64 mc, i64 k0, i64 kc, bf16* Ap,
       const float* s = A.f + (r0 + i) * A.ld + k0;
       prefetch_rows(A.f + r0 * A.ld + k0, A.ld, i + kPackAhead, 1, mc, kc);
       if (native) bf16_impl::to_bf16_avx512(s, d, kc);
-      else bf16_impl::to_bf16_portable(s, d, kc);
+      else to_bf16(s, d, kc);  // the same bits at every level (bf16.h)
     } else {
       std::memcpy(d, A.h + (r0 + i) * A.ld + k0, static_cast<std::size_t>(kc) * sizeof(bf16));
     }
@@ -326,10 +326,13 @@ void split_a(const u32* Aw, bool ta, i64 mcp, i64 pairs, u32* Af) {
 // b(k0 + 2p + 1 - h, n0 + j)'s bf16 as a float, a zero of its sign when subnormal: pair p's 64
 // odd-k values, then its 64 even-k values (row k of the block goes to row k ^ 1), zero past kc and
 // nc. B^T (the weight of a forward product) is read as 8 x 8 blocks of its rows, transposed in
-// registers (transpose8x8); B row by row.
+// registers (transpose8x8); B row by row, each row asked for kSplitAhead rows before it is read:
+// a panel's part of a row is four lines, and the next part a row of B further on, a stride the
+// hardware prefetcher follows late (prefetch_rows).
 TG_BF16_AVX2 inline u32 split_value(float x) { return daz_bits(hi_of(x)); }
 TG_BF16_AVX2 inline u32 split_value(std::uint16_t h) { return daz_bits(static_cast<u32>(h) << 16); }
 
+constexpr i64 kSplitAhead = 8;
 template <class T>
 TG_BF16_AVX2 void pack_b_split(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* D) {
   using S = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;  // bf16 read as its bits
@@ -337,6 +340,7 @@ TG_BF16_AVX2 void pack_b_split(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 
   if (!tb) {
     for (i64 k = 0; k < kc; ++k) {
       const S* r = b + (k0 + k) * ld + n0;
+      prefetch_rows(b + k0 * ld + n0, ld, k + kSplitAhead, 1, kc, nc);
       u32* d = D + (k ^ 1) * kNR;
       for (i64 j = 0; j < nc; ++j) d[j] = split_value(r[j]);
     }
@@ -379,7 +383,8 @@ inline unsigned ftz_csr(unsigned csr) { return (csr & ~0x6000u) | 0x8000u | 0x1F
 // a line every 1, 2 or 4 pairs.
 #ifdef TG_BF16_X86
 [[gnu::noinline, gnu::target("avx512f")]] void tile_fma512(i64 pairs, const float* A, const float* B, float* acc,
-                                                           Ahead ahead) {
+                                                           const Ahead& next) {
+  Ahead ahead = next;  // by reference, as the float32 tile's (sgemm_avx512.cpp)
   __m512 c[kMR][4];
 #pragma GCC unroll 6
   for (int i = 0; i < kMR; ++i)
@@ -952,7 +957,7 @@ bool fma_flush_exact(bool wide) {
   }
   const unsigned csr = _mm_getcsr();
   _mm_setcsr(ftz_csr(csr));
-  if (wide) tile_fma512(1, A, B, acc, Ahead{});
+  if (wide) tile_fma512(1, A, B, acc, {});
   else tile_fma256(1, A, B, acc);
   _mm_setcsr((ftz_csr(csr) & ~0x8040u));  // the reference: nearest even, no flush-to-zero, no DAZ
   bool same = true;
