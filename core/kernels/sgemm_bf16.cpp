@@ -380,10 +380,13 @@ inline unsigned ftz_csr(unsigned csr) { return (csr & ~0x6000u) | 0x8000u | 0x1F
 // on (ftz_csr); never inlined, so no operation of its own moves outside that setting. The
 // AVX-512F version holds the tile in 24 zmm; the AVX2 one in 12 ymm, 16 columns at a time. The
 // AVX-512F one also asks for its slice of the panel the next tiles read into L2 (gemm.h's Ahead),
-// a line every 1, 2 or 4 pairs.
+// a line every 1, 2 or 4 pairs, and for the lines of the mv x nv tile of C its sums go to, one a
+// pair over the first 4 mv pairs: all of them at once before the loop (prefetch_tile, as the AVX2
+// tile's caller does) wait for free fill buffers behind the previous tile's requests.
 #ifdef TG_BF16_X86
 [[gnu::noinline, gnu::target("avx512f")]] void tile_fma512(i64 pairs, const float* A, const float* B, float* acc,
-                                                           const Ahead& next) {
+                                                           const Ahead& next, const float* C, i64 ldc, int mv,
+                                                           int nv) {
   Ahead ahead = next;  // by reference, as the float32 tile's (sgemm_avx512.cpp)
   __m512 c[kMR][4];
 #pragma GCC unroll 6
@@ -406,6 +409,11 @@ inline unsigned ftz_csr(unsigned csr) { return (csr & ~0x6000u) | 0x8000u | 0x1F
     A += 2 * kMR;
     B += 2 * kNR;
     ahead.step(p);
+    if (p < 4 * mv) {  // C's lines, one a step: row p / 4, its line p % 4 (and the row's last at 3)
+      const float* r = C + (p >> 2) * ldc;
+      if (16 * (p & 3) < nv) __builtin_prefetch(r + 16 * (p & 3), 1);
+      if ((p & 3) == 3) __builtin_prefetch(r + nv - 1, 1);
+    }
   }
 #pragma GCC unroll 6
   for (int i = 0; i < kMR; ++i)
@@ -783,10 +791,10 @@ void block_product_fma(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
       const auto* At = reinterpret_cast<const float*>(Af + ir * 2 * pairs);
       float* Ct = g.C + (r0 + ir) * g.ldc + q * kNR;
       const int mv = static_cast<int>(std::min<i64>(kMR, mc - ir));
-      prefetch_tile(Ct, g.ldc, mv, nv);  // the tile's C lines arrive while it sums, as the native kernel's
+      if (!wide) prefetch_tile(Ct, g.ldc, mv, nv);  // the tile's C lines arrive while it sums, as the native kernel's
       const unsigned csr = _mm_getcsr();  // read per tile: the stores' flags stay raised
       _mm_setcsr(ftz_csr(csr));
-      if (wide) tile_fma512(pairs, At, Bj, acc, Ahead::slice(next, next_bytes, tiles, ir / kMR, pairs));
+      if (wide) tile_fma512(pairs, At, Bj, acc, Ahead::slice(next, next_bytes, tiles, ir / kMR, pairs), Ct, g.ldc, mv, nv);
       else tile_fma256(pairs, At, Bj, acc);
       _mm_setcsr(csr);
       store_tile(acc, Ct, g.ldc, g.alpha, be, mv, nv);
@@ -957,7 +965,7 @@ bool fma_flush_exact(bool wide) {
   }
   const unsigned csr = _mm_getcsr();
   _mm_setcsr(ftz_csr(csr));
-  if (wide) tile_fma512(1, A, B, acc, {});
+  if (wide) tile_fma512(1, A, B, acc, {}, nullptr, 0, 0, 0);
   else tile_fma256(1, A, B, acc);
   _mm_setcsr((ftz_csr(csr) & ~0x8040u));  // the reference: nearest even, no flush-to-zero, no DAZ
   bool same = true;
