@@ -18,6 +18,7 @@
 
 #include "kernels/isa.h"
 #include "kernels/parallel.h"
+#include "kernels/sgemm_avx512.h"
 #include "kernels/transpose.h"
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
@@ -43,6 +44,8 @@ using u16 = std::uint16_t;
 
 constexpr int kMR = 6;           // rows of C per kernel call
 constexpr int kNR = 64;          // columns of C per kernel call: four zmm of 16 floats
+// The fma path's tile with AVX-512F: the float32 product's 8 x 48 (block_product_fma).
+constexpr int kFmaWideMR = 8, kFmaWideNR = 48;
 // K per block (even). Every K block after the first reads C back and writes it again, and at
 // vdpbf16ps's rate that traffic costs more than a panel of B outside L1 (up to 768 pairs x 64 x
 // 4 bytes = 192 KB, streamed from L2 in order): so long blocks, one for each K <= 1536 (the
@@ -58,6 +61,15 @@ i64 block(i64 n, i64 most, i64 unit) {
 }
 
 i64 round_up(i64 n, i64 unit) { return (n + unit - 1) / unit * unit; }
+
+// Whether the fma path runs the 8 x 48 tile (AVX-512F), or the 6 x 64 one (AVX2).
+bool fma_wide() {
+#ifdef TG_SGEMM_AVX512
+  return isa() >= Isa::avx512;
+#else
+  return false;
+#endif
+}
 
 // ---- Packing (the same words for every path but the fma one, whose B is split as it is packed,
 // pack_b_split; the native paths pack B^T with AVX-512, pack_b_trans_native) --------------------
@@ -284,64 +296,27 @@ void split_a(const u32* Aw, bool ta, i64 mcp, i64 pairs, u32* Af) {
     }
 }
 
-#ifdef TG_BF16_X86
-// split_a with AVX-512F: eight words at a time, each widened to 64 bits and made its two halves,
-// odd | even << 32, in one step (the word's high half stays where it is, its low half moves up 48
-// bits), then each half made a zero of its sign where its exponent is zero: daz_bits in 16 lanes.
-// Rows of words (!ta) are eight pairs of six rows at a time, through a 6 x 8 buffer whose columns
-// are the panel's pairs; A^T's panels are already in the panel's order.
-[[gnu::target("avx512f")]] inline __m512i split8(const u32* w) {
-  const __m512i x = _mm512_maskz_cvtepu32_epi64(0xFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-  const __m512i v = _mm512_or_si512(_mm512_maskz_slli_epi64(0xFF, x, 48), _mm512_and_si512(x, _mm512_set1_epi64(0xFFFF0000)));
-  const __mmask16 normal = _mm512_test_epi32_mask(v, _mm512_set1_epi32(0x7F800000));
-  return _mm512_mask_and_epi32(v, static_cast<__mmask16>(~normal), v, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-}
-
-[[gnu::target("avx512f")]] void split_a_avx512(const u32* Aw, bool ta, i64 mcp, i64 pairs, u32* Af) {
-  auto* out = reinterpret_cast<std::uint64_t*>(Af);  // out[(q * pairs + p) * 6 + i]: row 6q + i's pair p
-  auto split1 = [](u32 w) { return odd_half(w) | static_cast<std::uint64_t>(even_half(w)) << 32; };
-  if (ta) {  // words and split floats in the same order: word j -> out[j]
-    const i64 n = mcp * pairs;
-    i64 j = 0;
-    for (; j + 8 <= n; j += 8) _mm512_storeu_si512(out + j, split8(Aw + j));
-    for (; j < n; ++j) out[j] = split1(Aw[j]);
-    return;
-  }
-  for (i64 q = 0; q < mcp / kMR; ++q) {
-    i64 p0 = 0;
-    for (; p0 + 8 <= pairs; p0 += 8) {
-      alignas(64) std::uint64_t t[kMR][8];
-      for (int i = 0; i < kMR; ++i) _mm512_store_si512(t[i], split8(Aw + (q * kMR + i) * pairs + p0));
-      std::uint64_t* d = out + (q * pairs + p0) * kMR;
-      for (int p = 0; p < 8; ++p)
-        for (int i = 0; i < kMR; ++i) d[p * kMR + i] = t[i][p];
-    }
-    for (; p0 < pairs; ++p0)
-      for (i64 i = 0; i < kMR; ++i) out[(q * pairs + p0) * kMR + i] = split1(Aw[(q * kMR + i) * pairs + p0]);
-  }
-}
-#endif
-
-// The split panel straight from op(B), without the pair words between: D[(2p + h) * 64 + j] =
-// b(k0 + 2p + 1 - h, n0 + j)'s bf16 as a float, a zero of its sign when subnormal: pair p's 64
-// odd-k values, then its 64 even-k values (row k of the block goes to row k ^ 1), zero past kc and
-// nc. B^T (the weight of a forward product) is read as 8 x 8 blocks of its rows, transposed in
-// registers (transpose8x8); B row by row, each row asked for kSplitAhead rows before it is read:
-// a panel's part of a row is four lines, and the next part a row of B further on, a stride the
-// hardware prefetcher follows late (prefetch_rows).
+// A split panel straight from op(B), without the pair words between, W columns wide:
+// D[(2p + h) * W + j] = b(k0 + 2p + 1 - h, n0 + j)'s bf16 as a float, a zero of its sign when
+// subnormal: pair p's W odd-k values, then its W even-k values (row k of the block goes to row
+// k ^ 1), zero past kc and nc. B^T (the weight of a forward product) is read as 8 x 8 blocks of
+// its rows, transposed in registers (transpose8x8); B row by row, each row asked for kSplitAhead
+// rows before it is read: a panel's part of a row is a few lines, and the next part a row of B
+// further on, a stride the hardware prefetcher follows late (prefetch_rows). W is 64 for the AVX2
+// tile's panels of B, 48 for the 8 x 48 tile's, and 8 for that tile's panels of A (pack_a_split).
 TG_BF16_AVX2 inline u32 split_value(float x) { return daz_bits(hi_of(x)); }
 TG_BF16_AVX2 inline u32 split_value(std::uint16_t h) { return daz_bits(static_cast<u32>(h) << 16); }
 
 constexpr i64 kSplitAhead = 8;
-template <class T>
-TG_BF16_AVX2 void pack_b_split(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* D) {
+template <int W, class T>
+TG_BF16_AVX2 void pack_split(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* D) {
   using S = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;  // bf16 read as its bits
   const S* b = reinterpret_cast<const S*>(B);
   if (!tb) {
     for (i64 k = 0; k < kc; ++k) {
       const S* r = b + (k0 + k) * ld + n0;
       prefetch_rows(b + k0 * ld + n0, ld, k + kSplitAhead, 1, kc, nc);
-      u32* d = D + (k ^ 1) * kNR;
+      u32* d = D + (k ^ 1) * W;
       for (i64 j = 0; j < nc; ++j) d[j] = split_value(r[j]);
     }
   } else {
@@ -352,21 +327,52 @@ TG_BF16_AVX2 void pack_b_split(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 
       for (i64 k = 0; k < k8; k += 8) {
         transpose8x8(r + k, ld, blk, 8);  // blk[kk * 8 + jj] = b(k + kk, j + jj)
         for (int kk = 0; kk < 8; ++kk) {
-          u32* d = D + ((k + kk) ^ 1) * kNR + j;
+          u32* d = D + ((k + kk) ^ 1) * W + j;
           for (int jj = 0; jj < 8; ++jj) d[jj] = split_value(blk[kk * 8 + jj]);
         }
       }
       for (i64 k = k8; k < kc; ++k)
-        for (int jj = 0; jj < 8; ++jj) D[(k ^ 1) * kNR + j + jj] = split_value(r[jj * ld + k]);
+        for (int jj = 0; jj < 8; ++jj) D[(k ^ 1) * W + j + jj] = split_value(r[jj * ld + k]);
     }
     for (i64 j = j8; j < nc; ++j)
-      for (i64 k = 0; k < kc; ++k) D[(k ^ 1) * kNR + j] = split_value(b[(n0 + j) * ld + k0 + k]);
+      for (i64 k = 0; k < kc; ++k) D[(k ^ 1) * W + j] = split_value(b[(n0 + j) * ld + k0 + k]);
   }
   for (i64 k = 0, rows = 2 * ((kc + 1) / 2); k < rows; ++k) {  // zeros past nc, and the row past an odd kc
-    u32* d = D + (k ^ 1) * kNR;
-    if (k >= kc) std::fill(d, d + kNR, u32{0});
-    else std::fill(d + nc, d + kNR, u32{0});
+    u32* d = D + (k ^ 1) * W;
+    if (k >= kc) std::fill(d, d + W, u32{0});
+    else std::fill(d + nc, d + W, u32{0});
   }
+}
+
+// op(A)'s block, rows [r0, r0 + mc) and k in [k0, k0 + kc), as the 8 x 48 tile's split panels of
+// 8 rows: Af[(t * kcp + (k ^ 1)) * 8 + i] = a(r0 + 8t + i, k0 + k) as pack_split makes it, kcp = kc
+// rounded up to even, zero past mc and kc. A^T (a weight gradient's dy: a(i, k) = A[k * ld + i])
+// is read a row at a time, each row's mc values going to every panel; A (a(i, k) = A[i * ld + k])
+// is op(B) = B^T to pack_split, a panel at a time.
+template <class T>
+TG_BF16_AVX2 void pack_a_split(bool ta, const T* A, i64 ld, i64 r0, i64 mc, i64 k0, i64 kc, u32* Af) {
+  const i64 kcp = round_up(kc, 2), panels = (mc + 7) / 8, full = mc / 8;
+  if (!ta) {
+    for (i64 t = 0; t < panels; ++t)
+      pack_split<8>(true, A, ld, k0, kc, r0 + 8 * t, std::min<i64>(8, mc - 8 * t), Af + t * kcp * 8);
+    return;
+  }
+  using S = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;  // bf16 read as its bits
+  const S* a = reinterpret_cast<const S*>(A) + k0 * ld + r0;
+  for (i64 k = 0; k < kc; ++k) {
+    const S* r = a + k * ld;
+    prefetch_rows(a, ld, k + kSplitAhead, 1, kc, mc);
+    for (i64 t = 0; t < full; ++t) {
+      u32* d = Af + (t * kcp + (k ^ 1)) * 8;
+      for (int i = 0; i < 8; ++i) d[i] = split_value(r[8 * t + i]);
+    }
+    if (full < panels) {
+      u32* d = Af + (full * kcp + (k ^ 1)) * 8;
+      for (i64 i = 0; i < 8; ++i) d[i] = 8 * full + i < mc ? split_value(r[8 * full + i]) : u32{0};
+    }
+  }
+  if (kc < kcp)  // the odd kc's pad row
+    for (i64 t = 0; t < panels; ++t) std::fill_n(Af + (t * kcp + (kc ^ 1)) * 8, 8, u32{0});
 }
 
 // The MXCSR with flush-to-zero on, rounding to nearest even and every exception masked, whatever
@@ -375,52 +381,12 @@ TG_BF16_AVX2 void pack_b_split(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 
 // control, 15 flush-to-zero).
 inline unsigned ftz_csr(unsigned csr) { return (csr & ~0x6000u) | 0x8000u | 0x1F80u; }
 
-// The tile's sums, acc (6 x 64, row stride 64) = sum over `pairs` pairs of the two multiply-adds,
-// the odd k first, from split panels: A's 12 floats per pair, B's 128. Called with flush-to-zero
-// on (ftz_csr); never inlined, so no operation of its own moves outside that setting. The
-// AVX-512F version holds the tile in 24 zmm; the AVX2 one in 12 ymm, 16 columns at a time. The
-// AVX-512F one also asks for its slice of the panel the next tiles read into L2 (gemm.h's Ahead),
-// a line every 1, 2 or 4 pairs, and for the lines of the mv x nv tile of C its sums go to, one a
-// pair over the first 4 mv pairs: all of them at once before the loop (prefetch_tile, as the AVX2
-// tile's caller does) wait for free fill buffers behind the previous tile's requests.
+// The AVX2 tile's sums, acc (6 x 64, row stride 64) = sum over `pairs` pairs of the two
+// multiply-adds, the odd k first, from split panels: A's 12 floats per pair, B's 128, the tile in
+// 12 ymm, 16 columns at a time. Called with flush-to-zero on (ftz_csr); never inlined, so no
+// operation of its own moves outside that setting. (With AVX-512F the float32 product's 8 x 48
+// tile sums instead: block_product_fma.)
 #ifdef TG_BF16_X86
-[[gnu::noinline, gnu::target("avx512f")]] void tile_fma512(i64 pairs, const float* A, const float* B, float* acc,
-                                                           const Ahead& next, const float* C, i64 ldc, int mv,
-                                                           int nv) {
-  Ahead ahead = next;  // by reference, as the float32 tile's (sgemm_avx512.cpp)
-  __m512 c[kMR][4];
-#pragma GCC unroll 6
-  for (int i = 0; i < kMR; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) c[i][j] = _mm512_setzero_ps();
-  for (i64 p = 0; p < pairs; ++p) {
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m512 b[4];
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) b[j] = _mm512_load_ps(B + h * kNR + 16 * j);
-#pragma GCC unroll 6
-      for (int i = 0; i < kMR; ++i) {
-        const __m512 a = _mm512_set1_ps(A[2 * i + h]);
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) c[i][j] = _mm512_fmadd_ps(a, b[j], c[i][j]);
-      }
-    }
-    A += 2 * kMR;
-    B += 2 * kNR;
-    ahead.step(p);
-    if (p < 4 * mv) {  // C's lines, one a step: row p / 4, its line p % 4 (and the row's last at 3)
-      const float* r = C + (p >> 2) * ldc;
-      if (16 * (p & 3) < nv) __builtin_prefetch(r + 16 * (p & 3), 1);
-      if ((p & 3) == 3) __builtin_prefetch(r + nv - 1, 1);
-    }
-  }
-#pragma GCC unroll 6
-  for (int i = 0; i < kMR; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(acc + i * kNR + 16 * j, c[i][j]);
-}
-
 [[gnu::noinline, gnu::target("avx2,fma")]] void tile_fma256(i64 pairs, const float* A, const float* B, float* acc) {
   for (int j0 = 0; j0 < kNR; j0 += 16) {
     __m256 c[kMR][2];
@@ -751,10 +717,10 @@ void block_product_amx(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
 }
 
 // The stores of a tile's sums, C = alpha acc (beta = 0) or fma(beta, C, alpha acc), as the
-// native kernel's: acc is 6 x 64, row stride 64.
-TG_BF16_AVX2 void store_tile(const float* acc, float* C, i64 ldc, float alpha, float beta, int mv, int nv) {
+// native kernel's: acc's rows are lda floats apart.
+TG_BF16_AVX2 void store_tile(const float* acc, i64 lda, float* C, i64 ldc, float alpha, float beta, int mv, int nv) {
   for (int i = 0; i < mv; ++i)
-    for (int j = 0; j < nv; ++j) store(acc[i * kNR + j], alpha, beta, C[i * ldc + j]);
+    for (int j = 0; j < nv; ++j) store(acc[i * lda + j], alpha, beta, C[i * ldc + j]);
 }
 
 // op(A)'s block, rows [r0, r0 + mc) and k in [pc, pc + kc), as pair words at Ap: pack_a_trans's
@@ -765,39 +731,63 @@ void pack_a_words(const GemmBf16& g, i64 r0, i64 mc, i64 pc, i64 kc, u32* Ap, bo
   else pack_a_trans(g.A.h, g.A.ld, r0, mc, pc, kc, Ap);
 }
 
-// The fused multiply-add version: Ap has room for the block's packed words and their split
-// floats after them (Plan::a_bytes), and Bk's panels are split (Plan::pack_panel). Flush-to-zero
-// is on while a tile sums, and the caller's MXCSR back for the stores.
+// The fused multiply-add version. With AVX-512F the float32 product's 8 x 48 tile runs
+// (sgemm_avx512.h's tile_8x48: the fastest register tile on the CPUs measured, docs/matmul.md),
+// A split straight into its 8-row panels at Ap (pack_a_split) and B's panels 48 columns wide
+// (Plan::pack_panel), kcp = 2 pairs steps of k, the odd k of each pair first. With AVX2 the 6 x 64
+// tile runs, from the block's packed words at Ap split into 6-row panels after them (split_a).
+// Flush-to-zero is on while a tile sums, and the caller's MXCSR back for the stores.
 void block_product_fma(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const u32* Bk, i64 pstride, i64 q0,
                        i64 q1, float be, void* Ap) {
 #ifdef TG_BF16_X86
-  const i64 mc = r1 - r0, pairs = (kc + 1) / 2, mcp = round_up(mc, kMR);
+  const i64 mc = r1 - r0, pairs = (kc + 1) / 2;
+  if (fma_wide()) {
+    constexpr int MR = kFmaWideMR, NR = kFmaWideNR;
+    const i64 kcp = 2 * pairs, tiles = (mc + MR - 1) / MR;
+    auto* Af = static_cast<u32*>(Ap);
+    if (g.A.f) pack_a_split(g.ta, g.A.f, g.A.ld, r0, mc, pc, kc, Af);
+    else pack_a_split(g.ta, g.A.h, g.A.ld, r0, mc, pc, kc, Af);
+    alignas(64) float acc[MR * NR];
+    // The next panel of this block, in equal slices, one a tile (a block's last panel asks for
+    // nothing: the GPT's products have one K block, or two, in bf16).
+    const i64 next_bytes = kcp * NR * static_cast<i64>(sizeof(float));
+    for (i64 q = q0; q < q1; ++q) {
+      const int nv = static_cast<int>(std::min<i64>(NR, g.N - q * NR));
+      const auto* Bj = reinterpret_cast<const float*>(Bk + q * pstride);
+      const u32* next = q + 1 < q1 ? Bk + (q + 1) * pstride : nullptr;
+      for (i64 t = 0; t < tiles; ++t) {
+        float* Ct = g.C + (r0 + t * MR) * g.ldc + q * NR;
+        const int mv = static_cast<int>(std::min<i64>(MR, mc - t * MR));
+        prefetch_tile(Ct, g.ldc, mv, nv);  // the tile's C lines arrive while it sums, as the native kernel's
+        const unsigned csr = _mm_getcsr();  // read per tile: the stores' flags stay raised
+        _mm_setcsr(ftz_csr(csr));
+        sgemm_avx512::tile_8x48(kcp, reinterpret_cast<const float*>(Af + t * kcp * MR), Bj, acc,
+                                Ahead::slice(next, next_bytes, tiles, t, kcp));
+        _mm_setcsr(csr);
+        store_tile(acc, NR, Ct, g.ldc, g.alpha, be, mv, nv);
+      }
+    }
+    return;
+  }
+  const i64 mcp = round_up(mc, kMR);
   auto* Aw = static_cast<u32*>(Ap);
   pack_a_words(g, r0, mc, pc, kc, Aw, false);
   u32* Af = Aw + mcp * pairs;
-  const bool wide = isa() >= Isa::avx512;
-  if (wide) split_a_avx512(Aw, g.ta, mcp, pairs, Af);
-  else split_a(Aw, g.ta, mcp, pairs, Af);
+  split_a(Aw, g.ta, mcp, pairs, Af);
   alignas(64) float acc[kMR * kNR];
-  // The next panel of this block (split: pairs x 2 x 64 floats), in equal slices, one a tile. A
-  // block's last panel asks for nothing: the next K block's first panel is not passed in here, and
-  // the GPT's products have one K block, or two (K = 2,048 and 3,072), in bf16.
-  const i64 next_bytes = pairs * 2 * kNR * static_cast<i64>(sizeof(float)), tiles = mcp / kMR;
   for (i64 q = q0; q < q1; ++q) {
     const int nv = static_cast<int>(std::min<i64>(kNR, g.N - q * kNR));
     const auto* Bj = reinterpret_cast<const float*>(Bk + q * pstride);
-    const u32* next = q + 1 < q1 ? Bk + (q + 1) * pstride : nullptr;
     for (i64 ir = 0; ir < mc; ir += kMR) {
       const auto* At = reinterpret_cast<const float*>(Af + ir * 2 * pairs);
       float* Ct = g.C + (r0 + ir) * g.ldc + q * kNR;
       const int mv = static_cast<int>(std::min<i64>(kMR, mc - ir));
-      if (!wide) prefetch_tile(Ct, g.ldc, mv, nv);  // the tile's C lines arrive while it sums, as the native kernel's
-      const unsigned csr = _mm_getcsr();  // read per tile: the stores' flags stay raised
+      prefetch_tile(Ct, g.ldc, mv, nv);
+      const unsigned csr = _mm_getcsr();
       _mm_setcsr(ftz_csr(csr));
-      if (wide) tile_fma512(pairs, At, Bj, acc, Ahead::slice(next, next_bytes, tiles, ir / kMR, pairs), Ct, g.ldc, mv, nv);
-      else tile_fma256(pairs, At, Bj, acc);
+      tile_fma256(pairs, At, Bj, acc);
       _mm_setcsr(csr);
-      store_tile(acc, Ct, g.ldc, g.alpha, be, mv, nv);
+      store_tile(acc, kNR, Ct, g.ldc, g.alpha, be, mv, nv);
     }
   }
 #else
@@ -879,6 +869,8 @@ thread_local Buffer tl_a, tl_b;
 struct Plan {
   const GemmBf16* g = nullptr;
   Path path = Path::emulated;
+  bool wide = false;  // the fma path's 8 x 48 tile: panels of 48 columns, blocks of 8-row units
+  i64 nr = kNR;       // columns of a panel of B
   i64 kcb = 0, nkb = 0, panels = 0, pstride = 0, rows = 0, unit = 0, units_m = 0, row_blocks = 0, run = 0, items = 0;
   bool ep_after = false;  // the epilogue runs on the whole of C after the items
   u32* Bp = nullptr;
@@ -888,11 +880,13 @@ struct Plan {
     // AMX: K blocks of whole chunks of 32 (a B panel's pairs fill whole tiles) and rows in
     // multiples of 32 (two tiles of A).
     const bool amx = path == Path::amx;
-    unit = amx ? kAmxM : kMR;
+    wide = path == Path::fma && fma_wide();
+    nr = wide ? kFmaWideNR : kNR;
+    unit = amx ? kAmxM : wide ? kFmaWideMR : kMR;
     kcb = block(p.K, kKC, amx ? kAmxK : 2);
     nkb = (p.K + kcb - 1) / kcb;
-    panels = (p.N + kNR - 1) / kNR;
-    pstride = kNR * (kcb / 2) * (path == Path::fma ? 2 : 1);  // words; the fma path's panels are split
+    panels = (p.N + nr - 1) / nr;
+    pstride = nr * (kcb / 2) * (path == Path::fma ? 2 : 1);  // words; the fma path's panels are split
     // About four items a thread: blocks of whole units of rows (6, or 32 for AMX; at most kMC
     // rows), as many as a multiple of the team where there are enough, the units dealt out
     // evenly; then columns cut in runs of panels when there are too few row blocks. An epilogue
@@ -900,7 +894,7 @@ struct Plan {
     const i64 want = 4 * team;
     units_m = (p.M + unit - 1) / unit;
     const i64 most = team == 1 ? block(p.M, kMC, unit) / unit
-                               : std::clamp<i64>(round_up((p.M + want - 1) / want, unit), amx ? unit : 4 * kMR, kMC) / unit;
+                               : std::clamp<i64>(round_up((p.M + want - 1) / want, unit), amx ? unit : 4 * unit, kMC) / unit;
     row_blocks = (units_m + most - 1) / most;
     if (team > 1 && row_blocks > team) row_blocks = std::min(units_m, (row_blocks + team - 1) / team * team);
     rows = (units_m + row_blocks - 1) / row_blocks * unit;  // the largest block
@@ -915,17 +909,23 @@ struct Plan {
   i64 b_bytes() const { return units() * pstride * 4; }
   // AMX with A^T: room for the block's k rows as bf16 too, after its packed rows (pack_a_amx).
   // The fma path: room for the split floats too, after the words (block_product_fma).
+  // The 8 x 48 tile's path: the split floats alone (pack_a_split).
   i64 a_bytes() const {
+    if (wide) return round_up(rows, kFmaWideMR) * kcb * 4;
     return round_up(rows, path == Path::amx ? kAmxM : kMR) * kcb * 2 *
            (path == Path::amx && g->ta ? 2 : path == Path::fma ? 3 : 1);
   }
   void pack(i64 u) const { pack_panel(u / panels, u % panels, Bp + u * pstride); }
   // Panel q of K block b; for AMX with zero pairs up to the block's last whole chunk of 32.
   void pack_panel(i64 b, i64 q, u32* d) const {
-    const i64 pc = b * kcb, kc = std::min(kcb, g->K - pc), n0 = q * kNR;
+    const i64 pc = b * kcb, kc = std::min(kcb, g->K - pc), n0 = q * nr, nc = std::min(nr, g->N - n0);
+    if (wide) {
+      if (g->B.f) return pack_split<kFmaWideNR>(g->tb, g->B.f, g->B.ld, pc, kc, n0, nc, d);
+      return pack_split<kFmaWideNR>(g->tb, g->B.h, g->B.ld, pc, kc, n0, nc, d);
+    }
     if (path == Path::fma) {
-      if (g->B.f) return pack_b_split(g->tb, g->B.f, g->B.ld, pc, kc, n0, std::min<i64>(kNR, g->N - n0), d);
-      return pack_b_split(g->tb, g->B.h, g->B.ld, pc, kc, n0, std::min<i64>(kNR, g->N - n0), d);
+      if (g->B.f) return pack_split<kNR>(g->tb, g->B.f, g->B.ld, pc, kc, n0, nc, d);
+      return pack_split<kNR>(g->tb, g->B.h, g->B.ld, pc, kc, n0, nc, d);
     }
     pack_b_panel(g->tb, g->B, pc, kc, n0, std::min<i64>(kNR, g->N - n0), d, path != Path::emulated);
     if (path == Path::amx) std::fill(d + (kc + 1) / 2 * kNR, d + round_up(kc, kAmxK) / 2 * kNR, u32{0});
@@ -938,7 +938,7 @@ struct Plan {
       block_product(*g, path, r0, r1, pc, std::min(kcb, g->K - pc), Bp + b * panels * pstride, pstride, q0, q1,
                     b == 0 ? g->beta : 1.0f, Ap);
     }
-    if (g->ep && !ep_after) g->ep(r0, r1, q0 * kNR, std::min(g->N, q1 * kNR));  // the item's part of C is final
+    if (g->ep && !ep_after) g->ep(r0, r1, q0 * nr, std::min(g->N, q1 * nr));  // the item's part of C is final
   }
 };
 
@@ -949,35 +949,39 @@ struct Plan {
 // values beside them among them. A CPU, hypervisor or emulator that ignores the MXCSR's flush-to-zero,
 // or detects tininess before rounding, fails it.
 bool fma_flush_exact(bool wide) {
-  alignas(64) float A[2 * kMR], B[2 * kNR], acc[kMR * kNR];
+  const int MR = wide ? kFmaWideMR : kMR, NR = wide ? kFmaWideNR : kNR;
+  alignas(64) float A[2 * kFmaWideMR], B[2 * kNR], acc[kFmaWideMR * kNR];  // room for either tile
+  // a(i, h) of the tile's panel of A, h = 0 the odd k, 1 the even k: the 8 x 48 tile's k-major
+  // panel, or the 6 x 64 tile's pairs of floats per row.
+  auto a = [&](int i, int h) -> float& { return wide ? A[h * MR + i] : A[2 * i + h]; };
   const float t = 0x1p-75f;
-  const float a0[kMR] = {-t, t * (1 + 0x1p-5f), -t, t, -t * 1.5f, t * (1 - 0x1p-8f)};
-  for (int i = 0; i < kMR; ++i) {
-    A[2 * i] = i % 2 ? -0x1p-63f : 0x1p-63f;  // the odd k: a1
-    A[2 * i + 1] = a0[i];                      // the even k: a0
+  const float a0[kFmaWideMR] = {-t, t * (1 + 0x1p-5f), -t, t, -t * 1.5f, t * (1 - 0x1p-8f), -t * (1 + 0x1p-6f), t * 0.75f};
+  for (int i = 0; i < MR; ++i) {
+    a(i, 0) = i % 2 ? -0x1p-63f : 0x1p-63f;  // the odd k: a1
+    a(i, 1) = a0[i];                          // the even k: a0
   }
   const float b0[16] = {0x1p-76f, 0x1p-76f * (1 + 0x1p-4f), 0x1p-77f, 0x1p-75f, 0x1p-52f, 0x1p-74f, 0x1p-78f,
                         0x1p-76f * 1.5f, -0x1p-76f, -0x1p-75f, 0x1p-76f * (1 - 0x1p-7f), 0x1p-51f, 0x1p-60f,
                         -0x1p-77f, 0x1p-76f * (1 + 0x1p-7f), 0.0f};
-  for (int j = 0; j < kNR; ++j) {
-    B[j] = 0x1p-63f;            // the odd k: b1
-    B[kNR + j] = b0[j % 16];    // the even k: b0
+  for (int j = 0; j < NR; ++j) {
+    B[j] = 0x1p-63f;           // the odd k: b1
+    B[NR + j] = b0[j % 16];    // the even k: b0
   }
   const unsigned csr = _mm_getcsr();
   _mm_setcsr(ftz_csr(csr));
-  if (wide) tile_fma512(1, A, B, acc, {}, nullptr, 0, 0, 0);
+  if (wide) sgemm_avx512::tile_8x48(2, A, B, acc, Ahead{});
   else tile_fma256(1, A, B, acc);
   _mm_setcsr((ftz_csr(csr) & ~0x8040u));  // the reference: nearest even, no flush-to-zero, no DAZ
   bool same = true;
-  for (int i = 0; i < kMR; ++i)
-    for (int j = 0; j < kNR; ++j)
-      same &= float_bits(fma_ftz(A[2 * i + 1], B[kNR + j], fma_ftz(A[2 * i], B[j], 0.0f))) == float_bits(acc[i * kNR + j]);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      same &= float_bits(fma_ftz(a(i, 1), B[NR + j], fma_ftz(a(i, 0), B[j], 0.0f))) == float_bits(acc[i * NR + j]);
   _mm_setcsr(csr);
   return same;
 }
 #endif
 
-// The fastest path isa() allows (the fma path where its flushes check out, once per width).
+// The fastest path isa() allows (the fma path where its flushes check out, once per tile).
 Path path_in_use() {
 #ifdef TG_BF16_X86
   if (isa() >= Isa::amx_bf16) return Path::amx;

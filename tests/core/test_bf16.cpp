@@ -356,10 +356,11 @@ TEST_CASE("bf16 product: the fused multiply-add paths and vdpbf16ps give the sca
     return;
   }
   std::mt19937 g(8);
-  // {9, 141, 41}: a panel of 13 columns after two whole ones (columns past the last 8 x 8 block);
-  // the last: two K blocks
-  const std::tuple<i64, i64, i64> shapes[] = {{7, 65, 33},   {13, 70, 300}, {6, 64, 2},     {24, 128, 257},
-                                              {50, 200, 9},  {9, 141, 41},  {7, 66, 1601}};
+  // {9, 141, 41}: a panel of 13 columns after two whole ones of 64 (45 after two of 48: columns
+  // past the last 8 x 8 block); {17, 97, 49}: one row and one column past the 8 x 48 tile's whole
+  // ones, odd K; the last: two K blocks
+  const std::tuple<i64, i64, i64> shapes[] = {{7, 65, 33},  {13, 70, 300}, {6, 64, 2},   {24, 128, 257},
+                                              {50, 200, 9}, {9, 141, 41},  {17, 97, 49}, {7, 66, 1601}};
   for (int hard = 0; hard < 2; ++hard)
     for (auto [M, N, K] : shapes)
       for (bool ta : {false, true})
