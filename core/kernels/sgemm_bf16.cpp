@@ -344,6 +344,27 @@ TG_BF16_AVX2 void pack_split(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0
   }
 }
 
+// Rows [k0, k1) of one K block's split panels from op(B) = B (k in [0, kc) of the block starting at
+// row pc of B), as pack_split makes them, panel q at D + q * pstride: each row of B read once,
+// whole, its values going to every panel; the last panel's columns past N zero, and with an odd
+// kc the pad row too, by the slab that ends the block. k0 is even, so a pair's rows share a slab.
+template <int W, class T>
+TG_BF16_AVX2 void pack_split_rows(const T* B, i64 ld, i64 pc, i64 kc, i64 k0, i64 k1, i64 N, u32* D, i64 pstride) {
+  using S = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;  // bf16 read as its bits
+  const S* b = reinterpret_cast<const S*>(B);
+  const i64 full = N / W, rest = N - full * W, panels = full + (rest > 0);
+  for (i64 k = k0; k < k1; ++k) {
+    const S* r = b + (pc + k) * ld;
+    u32* d = D + (k ^ 1) * W;
+    for (i64 q = 0; q < full; ++q)
+      for (int j = 0; j < W; ++j) d[q * pstride + j] = split_value(r[q * W + j]);
+    if (rest)
+      for (i64 j = 0; j < W; ++j) d[full * pstride + j] = j < rest ? split_value(r[full * W + j]) : u32{0};
+  }
+  if (k1 == kc && kc % 2)
+    for (i64 q = 0; q < panels; ++q) std::fill_n(D + q * pstride + (kc ^ 1) * W, W, u32{0});
+}
+
 // op(A)'s block, rows [r0, r0 + mc) and k in [k0, k0 + kc), as the 8 x 48 tile's split panels of
 // 8 rows: Af[(t * kcp + (k ^ 1)) * 8 + i] = a(r0 + 8t + i, k0 + k) as pack_split makes it, kcp = kc
 // rounded up to even, zero past mc and kc. A^T (a weight gradient's dy: a(i, k) = A[k * ld + i])
@@ -905,8 +926,14 @@ struct Plan {
     items = row_blocks * ((panels + run - 1) / run);
   }
   i64 row_start(i64 rb) const { return rb * units_m / row_blocks * unit; }  // block rb's first row
-  i64 units() const { return nkb * panels; }  // a unit of packing: one panel of one K block
-  i64 b_bytes() const { return units() * pstride * 4; }
+  // A unit of packing: one panel of one K block; on the fma path with op(B) = B, kSlab rows of one
+  // K block, all panels (pack_split_rows: B's rows read whole, in order, where a panel at a time
+  // reads a few lines of each row, rows a page or more apart, and waits on memory for each).
+  static constexpr i64 kSlab = 16;  // even: a pair's two rows in one slab
+  bool by_rows() const { return path == Path::fma && !g->tb; }
+  i64 slabs() const { return (kcb + kSlab - 1) / kSlab; }
+  i64 units() const { return nkb * (by_rows() ? slabs() : panels); }
+  i64 b_bytes() const { return nkb * panels * pstride * 4; }
   // AMX with A^T: room for the block's k rows as bf16 too, after its packed rows (pack_a_amx).
   // The fma path: room for the split floats too, after the words (block_product_fma).
   // The 8 x 48 tile's path: the split floats alone (pack_a_split).
@@ -915,7 +942,19 @@ struct Plan {
     return round_up(rows, path == Path::amx ? kAmxM : kMR) * kcb * 2 *
            (path == Path::amx && g->ta ? 2 : path == Path::fma ? 3 : 1);
   }
-  void pack(i64 u) const { pack_panel(u / panels, u % panels, Bp + u * pstride); }
+  void pack(i64 u) const {
+    if (!by_rows()) return pack_panel(u / panels, u % panels, Bp + u * pstride);
+    const i64 b = u / slabs(), pc = b * kcb, kc = std::min(kcb, g->K - pc), k0 = u % slabs() * kSlab;
+    const i64 k1 = std::min(k0 + kSlab, kc);
+    u32* d = Bp + b * panels * pstride;
+    if (k0 >= k1) return;
+    if (wide) {
+      if (g->B.f) return pack_split_rows<kFmaWideNR>(g->B.f, g->B.ld, pc, kc, k0, k1, g->N, d, pstride);
+      return pack_split_rows<kFmaWideNR>(g->B.h, g->B.ld, pc, kc, k0, k1, g->N, d, pstride);
+    }
+    if (g->B.f) return pack_split_rows<kNR>(g->B.f, g->B.ld, pc, kc, k0, k1, g->N, d, pstride);
+    pack_split_rows<kNR>(g->B.h, g->B.ld, pc, kc, k0, k1, g->N, d, pstride);
+  }
   // Panel q of K block b; for AMX with zero pairs up to the block's last whole chunk of 32.
   void pack_panel(i64 b, i64 q, u32* d) const {
     const i64 pc = b * kcb, kc = std::min(kcb, g->K - pc), n0 = q * nr, nc = std::min(nr, g->N - n0);
