@@ -85,7 +85,10 @@ struct Tile {
   template <bool ROWS>
   static void kernel(i64 kc, const float* __restrict A, i64 lda, const float* __restrict Bp, float* C, i64 ldc,
                      float alpha, float beta, int mv, int nv, const Ahead& next) {
-    Ahead ahead = next;  // by reference: a struct built just before the call, copied field by field
+    // By reference: passed by value, the 24-byte struct goes through the stack, where the caller's
+    // field-by-field stores are read back as one 16-byte load, which waits for them (a failed
+    // store forward) at every tile (docs/performance.md). Here its fields are read one by one.
+    Ahead ahead = next;
     __m512 c[MR][NV];
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)

@@ -21,7 +21,7 @@
 #include "kernels/sgemm_avx512.h"
 #include "kernels/transpose.h"
 
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#ifdef TG_KERNELS_X86  // isa.h: where the x86 kernels build, the float32 AVX-512 tile among them
 #define TG_BF16_X86 1
 #include <immintrin.h>
 #endif
@@ -64,15 +64,15 @@ i64 round_up(i64 n, i64 unit) { return (n + unit - 1) / unit * unit; }
 
 // Whether the fma path runs the 8 x 48 tile (AVX-512F), or the 6 x 64 one (AVX2).
 bool fma_wide() {
-#ifdef TG_SGEMM_AVX512
+#ifdef TG_BF16_X86
   return isa() >= Isa::avx512;
 #else
   return false;
 #endif
 }
 
-// ---- Packing (the same words for every path but the fma one, whose B is split as it is packed,
-// pack_b_split; the native paths pack B^T with AVX-512, pack_b_trans_native) --------------------
+// ---- Packing (the same words for every path but the fma one, whose operands are split as they
+// are packed, pack_split; the native paths pack B^T with AVX-512, pack_b_trans_native) -----------
 
 // The packers ask for op(A)'s rows this many steps ahead (prefetch_rows, gemm.h).
 constexpr i64 kPackAhead = 2;
@@ -271,9 +271,10 @@ void kernel_emulated(i64 pairs, const u32* A, i64 row, i64 step, const u32* Bp, 
 // numeric underflow exception; VDPBF16PS in vol. 2), and a tiny result never reaches the next
 // step, so no input is subnormal either. Subnormal operands are
 // made zeros of their sign when the pairs are split (below). So the operands are split once into
-// float32 (A's 6-row panels, B's 64-column panels: per pair the odd k's values, then the even
-// k's), and a float32 register tile runs with flush-to-zero on: every step the bits of the
-// emulation above, at the float32 product's rate.
+// float32 panels (per pair the odd k's values, then the even k's: 8-row panels of A and 48-column
+// ones of B for the AVX-512F tile, 6-row and 64-column ones for the AVX2 tile), and a float32
+// register tile runs with flush-to-zero on: every step the bits of the emulation above, at the
+// float32 product's rate.
 
 // A word's two halves as float32: the odd k's value (the high half) and the even k's (the low
 // half), each a zero of its sign when subnormal, as vdpbf16ps reads them.
@@ -738,10 +739,11 @@ void block_product_amx(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
 }
 
 // The stores of a tile's sums, C = alpha acc (beta = 0) or fma(beta, C, alpha acc), as the
-// native kernel's: acc's rows are lda floats apart.
-TG_BF16_AVX2 void store_tile(const float* acc, i64 lda, float* C, i64 ldc, float alpha, float beta, int mv, int nv) {
+// native kernel's: acc's rows are ld_acc floats apart.
+TG_BF16_AVX2 void store_tile(const float* acc, i64 ld_acc, float* C, i64 ldc, float alpha, float beta, int mv,
+                             int nv) {
   for (int i = 0; i < mv; ++i)
-    for (int j = 0; j < nv; ++j) store(acc[i * lda + j], alpha, beta, C[i * ldc + j]);
+    for (int j = 0; j < nv; ++j) store(acc[i * ld_acc + j], alpha, beta, C[i * ldc + j]);
 }
 
 // op(A)'s block, rows [r0, r0 + mc) and k in [pc, pc + kc), as pair words at Ap: pack_a_trans's
@@ -752,17 +754,18 @@ void pack_a_words(const GemmBf16& g, i64 r0, i64 mc, i64 pc, i64 kc, u32* Ap, bo
   else pack_a_trans(g.A.h, g.A.ld, r0, mc, pc, kc, Ap);
 }
 
-// The fused multiply-add version. With AVX-512F the float32 product's 8 x 48 tile runs
-// (sgemm_avx512.h's tile_8x48: the fastest register tile on the CPUs measured, docs/matmul.md),
-// A split straight into its 8-row panels at Ap (pack_a_split) and B's panels 48 columns wide
-// (Plan::pack_panel), kcp = 2 pairs steps of k, the odd k of each pair first. With AVX2 the 6 x 64
-// tile runs, from the block's packed words at Ap split into 6-row panels after them (split_a).
-// Flush-to-zero is on while a tile sums, and the caller's MXCSR back for the stores.
-void block_product_fma(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const u32* Bk, i64 pstride, i64 q0,
-                       i64 q1, float be, void* Ap) {
+// The fused multiply-add version; wide (the Plan's): with AVX-512F the float32 product's 8 x 48
+// tile runs (sgemm_avx512.h's tile_8x48, one register tile for both precisions; docs/performance.md
+// measures it against the 6 x 64 one this path had), A split straight into its 8-row panels at Ap
+// (pack_a_split) and B's panels 48 columns wide (Plan::pack_panel), over kcp = 2 x pairs steps of
+// k, the odd k of each pair first. Without, the AVX2 6 x 64 tile runs, from the block's packed
+// words at Ap split into 6-row panels after them (split_a). Flush-to-zero is on while a tile sums,
+// and the caller's MXCSR back for the stores.
+void block_product_fma(const GemmBf16& g, bool wide, i64 r0, i64 r1, i64 pc, i64 kc, const u32* Bk, i64 pstride,
+                       i64 q0, i64 q1, float be, void* Ap) {
 #ifdef TG_BF16_X86
   const i64 mc = r1 - r0, pairs = (kc + 1) / 2;
-  if (fma_wide()) {
+  if (wide) {
     constexpr int MR = kFmaWideMR, NR = kFmaWideNR;
     const i64 kcp = 2 * pairs, tiles = (mc + MR - 1) / MR;
     auto* Af = static_cast<u32*>(Ap);
@@ -812,14 +815,16 @@ void block_product_fma(const GemmBf16& g, i64 r0, i64 r1, i64 pc, i64 kc, const 
     }
   }
 #else
-  (void)g, (void)r0, (void)r1, (void)pc, (void)kc, (void)Bk, (void)pstride, (void)q0, (void)q1, (void)be, (void)Ap;
+  (void)g, (void)wide, (void)r0, (void)r1, (void)pc, (void)kc, (void)Bk, (void)pstride, (void)q0, (void)q1, (void)be,
+      (void)Ap;
 #endif
 }
 
-void block_product(const GemmBf16& g, Path path, i64 r0, i64 r1, i64 pc, i64 kc, const u32* Bk, i64 pstride,
-                   i64 q0, i64 q1, float be, void* Ap) {
+// wide: the Plan's, for the fma path (its panels' layout).
+void block_product(const GemmBf16& g, Path path, bool wide, i64 r0, i64 r1, i64 pc, i64 kc, const u32* Bk,
+                   i64 pstride, i64 q0, i64 q1, float be, void* Ap) {
   if (path == Path::amx) return block_product_amx(g, r0, r1, pc, kc, Bk, pstride, q0, q1, be, Ap);
-  if (path == Path::fma) return block_product_fma(g, r0, r1, pc, kc, Bk, pstride, q0, q1, be, Ap);
+  if (path == Path::fma) return block_product_fma(g, wide, r0, r1, pc, kc, Bk, pstride, q0, q1, be, Ap);
   const bool native = path == Path::dpbf16;
   const i64 mc = r1 - r0, pairs = (kc + 1) / 2;
   pack_a_words(g, r0, mc, pc, kc, static_cast<u32*>(Ap), native);
@@ -908,10 +913,10 @@ struct Plan {
     nkb = (p.K + kcb - 1) / kcb;
     panels = (p.N + nr - 1) / nr;
     pstride = nr * (kcb / 2) * (path == Path::fma ? 2 : 1);  // words; the fma path's panels are split
-    // About four items a thread: blocks of whole units of rows (6, or 32 for AMX; at most kMC
-    // rows), as many as a multiple of the team where there are enough, the units dealt out
-    // evenly; then columns cut in runs of panels when there are too few row blocks. An epilogue
-    // on whole rows as in the float32 driver's plan (sgemm_driver.h).
+    // About four items a thread: blocks of whole units of rows (6, 8 for the 8 x 48 tile, or 32
+    // for AMX; at most kMC rows), as many as a multiple of the team where there are enough, the
+    // units dealt out evenly; then columns cut in runs of panels when there are too few row
+    // blocks. An epilogue on whole rows as in the float32 driver's plan (sgemm_driver.h).
     const i64 want = 4 * team;
     units_m = (p.M + unit - 1) / unit;
     const i64 most = team == 1 ? block(p.M, kMC, unit) / unit
@@ -935,7 +940,7 @@ struct Plan {
   i64 units() const { return nkb * (by_rows() ? slabs() : panels); }
   i64 b_bytes() const { return nkb * panels * pstride * 4; }
   // AMX with A^T: room for the block's k rows as bf16 too, after its packed rows (pack_a_amx).
-  // The fma path: room for the split floats too, after the words (block_product_fma).
+  // The fma path's AVX2 tile: room for the split floats too, after the words (block_product_fma).
   // The 8 x 48 tile's path: the split floats alone (pack_a_split).
   i64 a_bytes() const {
     if (wide) return round_up(rows, kFmaWideMR) * kcb * 4;
@@ -974,7 +979,7 @@ struct Plan {
     const i64 r0 = row_start(rb), r1 = std::min(g->M, row_start(rb + 1)), q0 = cb * run, q1 = std::min(panels, q0 + run);
     for (i64 b = 0; b < nkb; ++b) {
       const i64 pc = b * kcb;
-      block_product(*g, path, r0, r1, pc, std::min(kcb, g->K - pc), Bp + b * panels * pstride, pstride, q0, q1,
+      block_product(*g, path, wide, r0, r1, pc, std::min(kcb, g->K - pc), Bp + b * panels * pstride, pstride, q0, q1,
                     b == 0 ? g->beta : 1.0f, Ap);
     }
     if (g->ep && !ep_after) g->ep(r0, r1, q0 * nr, std::min(g->N, q1 * nr));  // the item's part of C is final
@@ -1052,9 +1057,8 @@ void single(const GemmBf16& g, Path path) {
     const i64 pc = b * plan.kcb, kc = std::min(plan.kcb, g.K - pc);
     for (i64 q = 0; q < plan.panels; ++q) plan.pack_panel(b, q, plan.Bp + q * plan.pstride);
     for (i64 rb = 0; rb < plan.row_blocks; ++rb)
-      block_product(g, path, plan.row_start(rb), std::min(g.M, plan.row_start(rb + 1)), pc, kc, plan.Bp, plan.pstride,
-                    0, plan.panels,
-                    b == 0 ? g.beta : 1.0f, Ap);
+      block_product(g, path, plan.wide, plan.row_start(rb), std::min(g.M, plan.row_start(rb + 1)), pc, kc, plan.Bp,
+                    plan.pstride, 0, plan.panels, b == 0 ? g.beta : 1.0f, Ap);
   }
   g.ep.whole(g.M, g.N);
 }

@@ -283,7 +283,8 @@ void check_against_references(Problem& p, const std::vector<float>& C) {
 }  // namespace
 
 TEST_CASE("bf16 product within the bf16 error bound of float64 references, every edge and transpose", "[bf16]") {
-  // Edges of the 6 x 64 tile (M, N around 6 and 64), of a block of rows (192) and of K blocks (at
+  // Edges of the 6 x 64 tile (M, N around 6 and 64; the 8 x 48 tile's in the bit-exact test
+  // below), of a block of rows (192) and of K blocks (at
   // most 1536, in pairs: odd K pads one half pair; 3075 makes blocks of 1026, 1026 and 1023, or
   // 1056, 1056 and 963 on AMX).
   const std::tuple<i64, i64, i64> shapes[] = {{1, 1, 1},      {6, 64, 2},    {5, 63, 3},     {7, 65, 4},
@@ -452,8 +453,9 @@ TEST_CASE("bf16 product: the same bits for 1, 2 and 3 threads, alone or as a pai
   each_path([&](bool fast) {
     const i64 big = fast ? 1 : 0;  // the scalar emulation is slow: smaller shapes, still shared (2^21 multiply-adds)
     Problem p = make_problem(g, false, true, 150 + 250 * big, 130 + 200 * big, 300, 1.0f, 0.5f);
-    // q's K makes two K blocks on the fast paths
-    Problem q = make_problem(g, true, false, 130 + 200 * big, 70 + 100 * big, 300 + 1500 * big, 2.0f, 0.0f);
+    // q's K makes two K blocks on the fast paths, the second of odd length (a pad row, which the
+    // team's packing by slabs of rows writes on the fma path, one panel at a time on one thread)
+    Problem q = make_problem(g, true, false, 130 + 200 * big, 70 + 100 * big, 301 + 1500 * big, 2.0f, 0.0f);
     std::vector<float> p1, q1;
     for (int threads : {1, 2, 3}) {
       omp_set_num_threads(threads);
@@ -497,7 +499,7 @@ TEST_CASE("bf16 product: a multiply-add flushes to zero exactly when its result 
   };
   for (const Case& c : cases)
     for (float sign : {1.0f, -1.0f}) {
-      // 64 equal columns: a whole panel, no zero padding beside them.
+      // 64 equal columns: a whole panel of the 6 x 64 tiles, a panel and a third of the 8 x 48 one.
       const float A[2] = {sign * c.a0, sign * std::ldexp(1.0f, -63)};
       std::vector<float> B(128);
       for (int j = 0; j < 64; ++j) {
