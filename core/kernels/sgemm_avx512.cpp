@@ -157,9 +157,11 @@ void sgemm_pair_parallel(const Gemm<float>& p, const Gemm<float>& q) {
   if (tile() == TileShape::wide_8x48) Wide::sgemm_pair_parallel(p, q);
   else Tall::sgemm_pair_parallel(p, q);
 }
-[[gnu::noinline]] void tile_8x48(i64 kc, const float* A, const float* B, float* acc, const Ahead& ahead) {
+[[gnu::noinline]] void tile_8x48(i64 kc, const float* A, bool rows, i64 lda, const float* B, float* acc,
+                                 const Ahead& ahead) {
   using T = Tile<8, 3, 144, 2016, true>;
-  T::kernel<false>(kc, A, T::MR, B, acc, T::NR, 1.0f, 0.0f, T::MR, T::NR, ahead);  // 1 c: c, exactly
+  if (rows) T::kernel<true>(kc, A, lda, B, acc, T::NR, 1.0f, 0.0f, T::MR, T::NR, ahead);  // 1 c: c, exactly
+  else T::kernel<false>(kc, A, T::MR, B, acc, T::NR, 1.0f, 0.0f, T::MR, T::NR, ahead);
 }
 
 }  // namespace tg::kernels::sgemm_avx512

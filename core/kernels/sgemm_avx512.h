@@ -72,12 +72,14 @@ void sgemm_parallel(const Gemm<float>& product);
 void sgemm_pair_parallel(const Gemm<float>& p, const Gemm<float>& q);
 
 // The 8 x 48 register tile alone, for the bf16 product's fused multiply-add path (sgemm_bf16.cpp),
-// whatever tile() is: acc (8 x 48, row stride 48) = sum over k < kc of a(i, k) b(k, j), A a packed
-// panel of 8 rows (a(i, k) = A[k * 8 + i]) and B one of 48 columns (b(k, j) = B[k * 48 + j]), each
-// element one chain of fused multiply-adds over k in order from zero, stored as it is. Asks for
-// ahead's slice of the next panel as the driver's tiles do. Never inlined: the caller's setting of
-// the MXCSR around the call is what the sums run under.
-void tile_8x48(std::int64_t kc, const float* A, const float* B, float* acc, const Ahead& ahead);
+// whatever tile() is: acc (8 x 48, row stride 48) = sum over k < kc of a(i, k) b(k, j), A eight
+// rows lda floats apart (a(i, k) = A[i * lda + k]) when rows, else a packed panel of 8 rows
+// (a(i, k) = A[k * 8 + i]), and B a panel of 48 columns (b(k, j) = B[k * 48 + j]); each element
+// one chain of fused multiply-adds over k in order from zero, stored as it is. Asks for ahead's
+// slice of the next panel as the driver's tiles do. Never inlined: the caller's setting of the
+// MXCSR around the call is what the sums run under.
+void tile_8x48(std::int64_t kc, const float* A, bool rows, std::int64_t lda, const float* B, float* acc,
+               const Ahead& ahead);
 
 }  // namespace tg::kernels::sgemm_avx512
 #endif

@@ -304,7 +304,7 @@ void split_a(const u32* Aw, bool ta, i64 mcp, i64 pairs, u32* Af) {
 // its rows, transposed in registers (transpose8x8); B row by row, each row asked for kSplitAhead
 // rows before it is read: a panel's part of a row is a few lines, and the next part a row of B
 // further on, a stride the hardware prefetcher follows late (prefetch_rows). W is 64 for the AVX2
-// tile's panels of B, 48 for the 8 x 48 tile's, and 8 for that tile's panels of A (pack_a_split).
+// tile's panels of B, 48 for the 8 x 48 tile's.
 TG_BF16_AVX2 inline u32 split_value(float x) { return daz_bits(hi_of(x)); }
 TG_BF16_AVX2 inline u32 split_value(std::uint16_t h) { return daz_bits(static_cast<u32>(h) << 16); }
 
@@ -366,20 +366,35 @@ TG_BF16_AVX2 void pack_split_rows(const T* B, i64 ld, i64 pc, i64 kc, i64 k0, i6
     for (i64 q = 0; q < panels; ++q) std::fill_n(D + q * pstride + (kc ^ 1) * W, W, u32{0});
 }
 
-// op(A)'s block, rows [r0, r0 + mc) and k in [k0, k0 + kc), as the 8 x 48 tile's split panels of
-// 8 rows: Af[(t * kcp + (k ^ 1)) * 8 + i] = a(r0 + 8t + i, k0 + k) as pack_split makes it, kcp = kc
-// rounded up to even, zero past mc and kc. A^T (a weight gradient's dy: a(i, k) = A[k * ld + i])
-// is read a row at a time, each row's mc values going to every panel; A (a(i, k) = A[i * ld + k])
-// is op(B) = B^T to pack_split, a panel at a time.
+// op(A)'s block, rows [r0, r0 + mc) and k in [k0, k0 + kc), split for the 8 x 48 tile (values as
+// pack_split makes them, kcp = kc rounded up to even, zero past mc, to a multiple of 8 rows, and
+// past kc). A^T (a weight gradient's dy: a(i, k) = A[k * ld + i]) as panels of 8 rows,
+// Af[(t * kcp + (k ^ 1)) * 8 + i] = a(r0 + 8t + i, k0 + k), read a row of A at a time, each
+// row's mc values going to every panel. A (a(i, k) = A[i * ld + k]) as rows, Af[i * kcp + (k ^ 1)]
+// = a(r0 + i, k0 + k), each row of A read and written in order, which the tile reads in place
+// (tile_8x48's rows): no transpose.
 template <class T>
 TG_BF16_AVX2 void pack_a_split(bool ta, const T* A, i64 ld, i64 r0, i64 mc, i64 k0, i64 kc, u32* Af) {
   const i64 kcp = round_up(kc, 2), panels = (mc + 7) / 8, full = mc / 8;
+  using S = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;  // bf16 read as its bits
   if (!ta) {
-    for (i64 t = 0; t < panels; ++t)
-      pack_split<8>(true, A, ld, k0, kc, r0 + 8 * t, std::min<i64>(8, mc - 8 * t), Af + t * kcp * 8);
+    const S* a = reinterpret_cast<const S*>(A) + r0 * ld + k0;
+    for (i64 i = 0; i < mc; ++i) {
+      const S* r = a + i * ld;
+      prefetch_rows(a, ld, i + kSplitAhead, 1, mc, kc);
+      u32* d = Af + i * kcp;
+      for (i64 k = 0; k + 1 < kc; k += 2) {  // each pair's odd k first
+        d[k] = split_value(r[k + 1]);
+        d[k + 1] = split_value(r[k]);
+      }
+      if (kc % 2) {  // the last k goes to kc, the pad row to kc - 1
+        d[kc] = split_value(r[kc - 1]);
+        d[kc - 1] = 0;
+      }
+    }
+    std::fill(Af + mc * kcp, Af + panels * 8 * kcp, u32{0});
     return;
   }
-  using S = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;  // bf16 read as its bits
   const S* a = reinterpret_cast<const S*>(A) + k0 * ld + r0;
   for (i64 k = 0; k < kc; ++k) {
     const S* r = a + k * ld;
@@ -785,7 +800,8 @@ void block_product_fma(const GemmBf16& g, bool wide, i64 r0, i64 r1, i64 pc, i64
         prefetch_tile(Ct, g.ldc, mv, nv);  // the tile's C lines arrive while it sums, as the native kernel's
         const unsigned csr = _mm_getcsr();  // read per tile: the stores' flags stay raised
         _mm_setcsr(ftz_csr(csr));
-        sgemm_avx512::tile_8x48(kcp, reinterpret_cast<const float*>(Af + t * kcp * MR), Bj, acc,
+        // A's 8 rows of this tile, as rows (A) or a panel (A^T): 8 kcp floats either way.
+        sgemm_avx512::tile_8x48(kcp, reinterpret_cast<const float*>(Af + t * kcp * MR), !g.ta, kcp, Bj, acc,
                                 Ahead::slice(next, next_bytes, tiles, t, kcp));
         _mm_setcsr(csr);
         store_tile(acc, NR, Ct, g.ldc, g.alpha, be, mv, nv);
@@ -1013,7 +1029,7 @@ bool fma_flush_exact(bool wide) {
   }
   const unsigned csr = _mm_getcsr();
   _mm_setcsr(ftz_csr(csr));
-  if (wide) sgemm_avx512::tile_8x48(2, A, B, acc, Ahead{});
+  if (wide) sgemm_avx512::tile_8x48(2, A, false, 0, B, acc, Ahead{});
   else tile_fma256(1, A, B, acc);
   _mm_setcsr((ftz_csr(csr) & ~0x8040u));  // the reference: nearest even, no flush-to-zero, no DAZ
   bool same = true;
