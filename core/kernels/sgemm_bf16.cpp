@@ -271,10 +271,10 @@ void kernel_emulated(i64 pairs, const u32* A, i64 row, i64 step, const u32* Bp, 
 // numeric underflow exception; VDPBF16PS in vol. 2), and a tiny result never reaches the next
 // step, so no input is subnormal either. Subnormal operands are
 // made zeros of their sign when the pairs are split (below). So the operands are split once into
-// float32 panels (per pair the odd k's values, then the even k's: 8-row panels of A and 48-column
-// ones of B for the AVX-512F tile, 6-row and 64-column ones for the AVX2 tile), and a float32
-// register tile runs with flush-to-zero on: every step the bits of the emulation above, at the
-// float32 product's rate.
+// float32 (per pair the odd k's values, then the even k's: rows of A, or 8-row panels of A^T,
+// and 48-column panels of B for the AVX-512F tile, 6-row and 64-column panels for the AVX2 tile),
+// and a float32 register tile runs with flush-to-zero on: every step the bits of the emulation
+// above, at the float32 product's rate.
 
 // A word's two halves as float32: the odd k's value (the high half) and the even k's (the low
 // half), each a zero of its sign when subnormal, as vdpbf16ps reads them.
@@ -771,8 +771,9 @@ void pack_a_words(const GemmBf16& g, i64 r0, i64 mc, i64 pc, i64 kc, u32* Ap, bo
 
 // The fused multiply-add version; wide (the Plan's): with AVX-512F the float32 product's 8 x 48
 // tile runs (sgemm_avx512.h's tile_8x48, one register tile for both precisions; docs/performance.md
-// measures it against the 6 x 64 one this path had), A split straight into its 8-row panels at Ap
-// (pack_a_split) and B's panels 48 columns wide (Plan::pack_panel), over kcp = 2 x pairs steps of
+// measures it against the 6 x 64 one this path had), A split straight into rows at Ap, which the
+// tile reads in place, or A^T into 8-row panels (pack_a_split), and B into panels 48 columns wide
+// (Plan::pack_panel, Plan::pack), over kcp = 2 x pairs steps of
 // k, the odd k of each pair first. Without, the AVX2 6 x 64 tile runs, from the block's packed
 // words at Ap split into 6-row panels after them (split_a). Flush-to-zero is on while a tile sums,
 // and the caller's MXCSR back for the stores.

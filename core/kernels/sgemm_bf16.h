@@ -53,9 +53,10 @@
 // per lane), op(A) packed per block of rows (A as bf16 rows, A^T as 6-row panels of pairs), and a
 // 6 x 64 register tile: 24 zmm accumulators, 4 for B, 1 for the broadcast pair of A. The fused
 // multiply-add path splits each pair into two float32: with AVX-512F as it packs the operands,
-// into 8-row panels of A and 48-column panels of B, run by the float32 product's 8 x 48 tile
-// (sgemm_avx512.h's tile_8x48); with AVX2 into 64-column panels of B as it packs them and 6-row
-// panels of A from A's packed pairs, run by a 6 x 64 tile in 12 ymm, 16 columns at a time.
+// into rows of A (8-row panels of A^T) and 48-column panels of B, run by the float32 product's
+// 8 x 48 tile (sgemm_avx512.h's tile_8x48); with AVX2 into 64-column panels of B as it packs them
+// and 6-row panels of A from A's packed pairs, run by a 6 x 64 tile in 12 ymm, 16 columns at a
+// time.
 #include <cstdint>
 
 #include "kernels/bf16.h"
