@@ -139,7 +139,8 @@ struct Tile {
 // 14 x 32: 140 x 768 floats of A = 420 KB a block; 2048 columns of B at once.
 using Tall = sgemm_driver::Driver<Tile<14, 2, 140, 2048, false>>;
 // 8 x 48: 144 x 768 floats of A = 432 KB a block; 2016 columns (42 panels) of B at once.
-using Wide = sgemm_driver::Driver<Tile<8, 3, 144, 2016, true>>;
+using WideTile = Tile<8, 3, 144, 2016, true>;
+using Wide = sgemm_driver::Driver<WideTile>;
 static_assert(Tall::MR == 14 && Tall::NR == 32 && Wide::MR == 8 && Wide::NR == 48, "as tile_rows and tile_cols say");
 
 }  // namespace
@@ -159,8 +160,8 @@ void sgemm_pair_parallel(const Gemm<float>& p, const Gemm<float>& q) {
 }
 [[gnu::noinline]] void tile_8x48(i64 kc, const float* A, bool rows, i64 lda, const float* B, float* acc,
                                  const Ahead& ahead) {
-  using T = Tile<8, 3, 144, 2016, true>;
-  if (rows) T::kernel<true>(kc, A, lda, B, acc, T::NR, 1.0f, 0.0f, T::MR, T::NR, ahead);  // 1 c: c, exactly
+  using T = WideTile;  // alpha 1, beta 0: acc = 1 c, the sums exactly
+  if (rows) T::kernel<true>(kc, A, lda, B, acc, T::NR, 1.0f, 0.0f, T::MR, T::NR, ahead);
   else T::kernel<false>(kc, A, T::MR, B, acc, T::NR, 1.0f, 0.0f, T::MR, T::NR, ahead);
 }
 

@@ -62,15 +62,6 @@ i64 block(i64 n, i64 most, i64 unit) {
 
 i64 round_up(i64 n, i64 unit) { return (n + unit - 1) / unit * unit; }
 
-// Whether the fma path runs the 8 x 48 tile (AVX-512F), or the 6 x 64 one (AVX2).
-bool fma_wide() {
-#ifdef TG_BF16_X86
-  return isa() >= Isa::avx512;
-#else
-  return false;
-#endif
-}
-
 // ---- Packing (the same words for every path but the fma one, whose operands are split as they
 // are packed, pack_split; the native paths pack B^T with AVX-512, pack_b_trans_native) -----------
 
@@ -297,47 +288,41 @@ void split_a(const u32* Aw, bool ta, i64 mcp, i64 pairs, u32* Af) {
     }
 }
 
-// A split panel straight from op(B), without the pair words between, W columns wide:
-// D[(2p + h) * W + j] = b(k0 + 2p + 1 - h, n0 + j)'s bf16 as a float, a zero of its sign when
-// subnormal: pair p's W odd-k values, then its W even-k values (row k of the block goes to row
-// k ^ 1), zero past kc and nc. B^T (the weight of a forward product) is read as 8 x 8 blocks of
-// its rows, transposed in registers (transpose8x8); B row by row, each row asked for kSplitAhead
-// rows before it is read: a panel's part of a row is a few lines, and the next part a row of B
-// further on, a stride the hardware prefetcher follows late (prefetch_rows). W is 64 for the AVX2
-// tile's panels of B, 48 for the 8 x 48 tile's.
+// The fma path's values: a bf16 (or a float's bf16) as a float, a zero of its sign when subnormal.
 TG_BF16_AVX2 inline u32 split_value(float x) { return daz_bits(hi_of(x)); }
 TG_BF16_AVX2 inline u32 split_value(std::uint16_t h) { return daz_bits(static_cast<u32>(h) << 16); }
 
+// The split packers ask for the rows they read this many rows ahead (prefetch_rows): each reads a
+// few lines of a row, and the next row's a row of the operand further on, a stride the hardware
+// prefetcher follows late.
 constexpr i64 kSplitAhead = 8;
+
+// A split panel of op(B) = B^T (the weight of a forward product), W columns wide, straight from B
+// without the pair words between: D[(2p + h) * W + j] = b(k0 + 2p + 1 - h, n0 + j) as split_value
+// makes it, b(k, j) = B[j * ld + k]: pair p's W odd-k values, then its W even-k values (row k of
+// the block goes to row k ^ 1), zero past kc and nc. B is read as 8 x 8 blocks of its rows,
+// transposed in registers (transpose8x8). W is 64 for the AVX2 tile's panels, 48 for the 8 x 48
+// tile's. (op(B) = B is packed by whole rows, pack_split_rows.)
 template <int W, class T>
-TG_BF16_AVX2 void pack_split(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* D) {
+TG_BF16_AVX2 void pack_split(const T* B, i64 ld, i64 k0, i64 kc, i64 n0, i64 nc, u32* D) {
   using S = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;  // bf16 read as its bits
   const S* b = reinterpret_cast<const S*>(B);
-  if (!tb) {
-    for (i64 k = 0; k < kc; ++k) {
-      const S* r = b + (k0 + k) * ld + n0;
-      prefetch_rows(b + k0 * ld + n0, ld, k + kSplitAhead, 1, kc, nc);
-      u32* d = D + (k ^ 1) * W;
-      for (i64 j = 0; j < nc; ++j) d[j] = split_value(r[j]);
-    }
-  } else {
-    const i64 k8 = kc / 8 * 8, j8 = nc / 8 * 8;
-    alignas(32) S blk[64];
-    for (i64 j = 0; j < j8; j += 8) {
-      const S* r = b + (n0 + j) * ld + k0;  // row n0 + j of B: column j of the panel
-      for (i64 k = 0; k < k8; k += 8) {
-        transpose8x8(r + k, ld, blk, 8);  // blk[kk * 8 + jj] = b(k + kk, j + jj)
-        for (int kk = 0; kk < 8; ++kk) {
-          u32* d = D + ((k + kk) ^ 1) * W + j;
-          for (int jj = 0; jj < 8; ++jj) d[jj] = split_value(blk[kk * 8 + jj]);
-        }
+  const i64 k8 = kc / 8 * 8, j8 = nc / 8 * 8;
+  alignas(32) S blk[64];
+  for (i64 j = 0; j < j8; j += 8) {
+    const S* r = b + (n0 + j) * ld + k0;  // row n0 + j of B: column j of the panel
+    for (i64 k = 0; k < k8; k += 8) {
+      transpose8x8(r + k, ld, blk, 8);  // blk[kk * 8 + jj] = b(k + kk, j + jj)
+      for (int kk = 0; kk < 8; ++kk) {
+        u32* d = D + ((k + kk) ^ 1) * W + j;
+        for (int jj = 0; jj < 8; ++jj) d[jj] = split_value(blk[kk * 8 + jj]);
       }
-      for (i64 k = k8; k < kc; ++k)
-        for (int jj = 0; jj < 8; ++jj) D[(k ^ 1) * W + j + jj] = split_value(r[jj * ld + k]);
     }
-    for (i64 j = j8; j < nc; ++j)
-      for (i64 k = 0; k < kc; ++k) D[(k ^ 1) * W + j] = split_value(b[(n0 + j) * ld + k0 + k]);
+    for (i64 k = k8; k < kc; ++k)
+      for (int jj = 0; jj < 8; ++jj) D[(k ^ 1) * W + j + jj] = split_value(r[jj * ld + k]);
   }
+  for (i64 j = j8; j < nc; ++j)
+    for (i64 k = 0; k < kc; ++k) D[(k ^ 1) * W + j] = split_value(b[(n0 + j) * ld + k0 + k]);
   for (i64 k = 0, rows = 2 * ((kc + 1) / 2); k < rows; ++k) {  // zeros past nc, and the row past an odd kc
     u32* d = D + (k ^ 1) * W;
     if (k >= kc) std::fill(d, d + W, u32{0});
@@ -346,9 +331,11 @@ TG_BF16_AVX2 void pack_split(bool tb, const T* B, i64 ld, i64 k0, i64 kc, i64 n0
 }
 
 // Rows [k0, k1) of one K block's split panels from op(B) = B (k in [0, kc) of the block starting at
-// row pc of B), as pack_split makes them, panel q at D + q * pstride: each row of B read once,
-// whole, its values going to every panel; the last panel's columns past N zero, and with an odd
-// kc the pad row too, by the slab that ends the block. k0 is even, so a pair's rows share a slab.
+// row pc of B), laid out as pack_split's, panel q at D + q * pstride: each row of B read once,
+// whole and in order, its values going to every panel (a panel at a time would read a few lines of
+// each row, rows a page or more apart, and wait on memory for each); the last panel's columns past
+// N zero, and with an odd kc the pad row too, by the call that ends the block. k0 is even, so a
+// pair's rows are packed by one call.
 template <int W, class T>
 TG_BF16_AVX2 void pack_split_rows(const T* B, i64 ld, i64 pc, i64 kc, i64 k0, i64 k1, i64 N, u32* D, i64 pstride) {
   using S = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;  // bf16 read as its bits
@@ -773,10 +760,10 @@ void pack_a_words(const GemmBf16& g, i64 r0, i64 mc, i64 pc, i64 kc, u32* Ap, bo
 // tile runs (sgemm_avx512.h's tile_8x48, one register tile for both precisions; docs/performance.md
 // measures it against the 6 x 64 one this path had), A split straight into rows at Ap, which the
 // tile reads in place, or A^T into 8-row panels (pack_a_split), and B into panels 48 columns wide
-// (Plan::pack_panel, Plan::pack), over kcp = 2 x pairs steps of
-// k, the odd k of each pair first. Without, the AVX2 6 x 64 tile runs, from the block's packed
-// words at Ap split into 6-row panels after them (split_a). Flush-to-zero is on while a tile sums,
-// and the caller's MXCSR back for the stores.
+// (Plan::pack_rows, Plan::pack_panel), over kcp = 2 x pairs steps of k, the odd k of each pair
+// first. Without, the AVX2 6 x 64 tile runs, from the block's packed words at Ap split into 6-row
+// panels after them (split_a). Flush-to-zero is on while a tile sums, and the caller's MXCSR back
+// for the stores.
 void block_product_fma(const GemmBf16& g, bool wide, i64 r0, i64 r1, i64 pc, i64 kc, const u32* Bk, i64 pstride,
                        i64 q0, i64 q1, float be, void* Ap) {
 #ifdef TG_BF16_X86
@@ -923,7 +910,7 @@ struct Plan {
     // AMX: K blocks of whole chunks of 32 (a B panel's pairs fill whole tiles) and rows in
     // multiples of 32 (two tiles of A).
     const bool amx = path == Path::amx;
-    wide = path == Path::fma && fma_wide();
+    wide = path == Path::fma && isa() >= Isa::avx512;  // the fma path runs on x86 only (path_in_use)
     nr = wide ? kFmaWideNR : kNR;
     unit = amx ? kAmxM : wide ? kFmaWideMR : kMR;
     kcb = block(p.K, kKC, amx ? kAmxK : 2);
@@ -949,8 +936,7 @@ struct Plan {
   }
   i64 row_start(i64 rb) const { return rb * units_m / row_blocks * unit; }  // block rb's first row
   // A unit of packing: one panel of one K block; on the fma path with op(B) = B, kSlab rows of one
-  // K block, all panels (pack_split_rows: B's rows read whole, in order, where a panel at a time
-  // reads a few lines of each row, rows a page or more apart, and waits on memory for each).
+  // K block, all panels (pack_rows: B's rows read whole, in order).
   static constexpr i64 kSlab = 16;  // even: a pair's two rows in one slab
   bool by_rows() const { return path == Path::fma && !g->tb; }
   i64 slabs() const { return (kcb + kSlab - 1) / kSlab; }
@@ -966,27 +952,33 @@ struct Plan {
   }
   void pack(i64 u) const {
     if (!by_rows()) return pack_panel(u / panels, u % panels, Bp + u * pstride);
-    const i64 b = u / slabs(), pc = b * kcb, kc = std::min(kcb, g->K - pc), k0 = u % slabs() * kSlab;
-    const i64 k1 = std::min(k0 + kSlab, kc);
-    u32* d = Bp + b * panels * pstride;
-    if (k0 >= k1) return;
-    if (wide) {
-      if (g->B.f) return pack_split_rows<kFmaWideNR>(g->B.f, g->B.ld, pc, kc, k0, k1, g->N, d, pstride);
-      return pack_split_rows<kFmaWideNR>(g->B.h, g->B.ld, pc, kc, k0, k1, g->N, d, pstride);
-    }
-    if (g->B.f) return pack_split_rows<kNR>(g->B.f, g->B.ld, pc, kc, k0, k1, g->N, d, pstride);
-    pack_split_rows<kNR>(g->B.h, g->B.ld, pc, kc, k0, k1, g->N, d, pstride);
+    const i64 b = u / slabs(), k0 = u % slabs() * kSlab;
+    pack_rows(b, k0, k0 + kSlab, Bp + b * panels * pstride);
   }
-  // Panel q of K block b; for AMX with zero pairs up to the block's last whole chunk of 32.
+  // Rows [k0, k1) of K block b (clipped to the block), every panel, panel 0 at d (by_rows()).
+  void pack_rows(i64 b, i64 k0, i64 k1, u32* d) const {
+    const i64 pc = b * kcb, kc = std::min(kcb, g->K - pc);
+    if (k0 >= std::min(k1, kc)) return;
+    auto rows = [&](auto w) {
+      constexpr int W = decltype(w)::value;
+      if (g->B.f) pack_split_rows<W>(g->B.f, g->B.ld, pc, kc, k0, std::min(k1, kc), g->N, d, pstride);
+      else pack_split_rows<W>(g->B.h, g->B.ld, pc, kc, k0, std::min(k1, kc), g->N, d, pstride);
+    };
+    if (wide) rows(std::integral_constant<int, kFmaWideNR>{});
+    else rows(std::integral_constant<int, kNR>{});
+  }
+  // Panel q of K block b (not by_rows()); for AMX with zero pairs up to the block's last whole
+  // chunk of 32.
   void pack_panel(i64 b, i64 q, u32* d) const {
     const i64 pc = b * kcb, kc = std::min(kcb, g->K - pc), n0 = q * nr, nc = std::min(nr, g->N - n0);
-    if (wide) {
-      if (g->B.f) return pack_split<kFmaWideNR>(g->tb, g->B.f, g->B.ld, pc, kc, n0, nc, d);
-      return pack_split<kFmaWideNR>(g->tb, g->B.h, g->B.ld, pc, kc, n0, nc, d);
-    }
-    if (path == Path::fma) {
-      if (g->B.f) return pack_split<kNR>(g->tb, g->B.f, g->B.ld, pc, kc, n0, nc, d);
-      return pack_split<kNR>(g->tb, g->B.h, g->B.ld, pc, kc, n0, nc, d);
+    if (path == Path::fma) {  // op(B) = B^T here
+      auto panel = [&](auto w) {
+        constexpr int W = decltype(w)::value;
+        if (g->B.f) pack_split<W>(g->B.f, g->B.ld, pc, kc, n0, nc, d);
+        else pack_split<W>(g->B.h, g->B.ld, pc, kc, n0, nc, d);
+      };
+      if (wide) return panel(std::integral_constant<int, kFmaWideNR>{});
+      return panel(std::integral_constant<int, kNR>{});
     }
     pack_b_panel(g->tb, g->B, pc, kc, n0, std::min<i64>(kNR, g->N - n0), d, path != Path::emulated);
     if (path == Path::amx) std::fill(d + (kc + 1) / 2 * kNR, d + round_up(kc, kAmxK) / 2 * kNR, u32{0});
@@ -1072,7 +1064,9 @@ void single(const GemmBf16& g, Path path) {
   if (!Ap || !plan.Bp) throw std::bad_alloc();
   for (i64 b = 0; b < plan.nkb; ++b) {
     const i64 pc = b * plan.kcb, kc = std::min(plan.kcb, g.K - pc);
-    for (i64 q = 0; q < plan.panels; ++q) plan.pack_panel(b, q, plan.Bp + q * plan.pstride);
+    if (plan.by_rows()) plan.pack_rows(b, 0, kc, plan.Bp);
+    else
+      for (i64 q = 0; q < plan.panels; ++q) plan.pack_panel(b, q, plan.Bp + q * plan.pstride);
     for (i64 rb = 0; rb < plan.row_blocks; ++rb)
       block_product(g, path, plan.wide, plan.row_start(rb), std::min(g.M, plan.row_start(rb + 1)), pc, kc, plan.Bp,
                     plan.pstride, 0, plan.panels, b == 0 ? g.beta : 1.0f, Ap);

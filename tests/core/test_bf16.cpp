@@ -284,9 +284,8 @@ void check_against_references(Problem& p, const std::vector<float>& C) {
 
 TEST_CASE("bf16 product within the bf16 error bound of float64 references, every edge and transpose", "[bf16]") {
   // Edges of the 6 x 64 tile (M, N around 6 and 64; the 8 x 48 tile's in the bit-exact test
-  // below), of a block of rows (192) and of K blocks (at
-  // most 1536, in pairs: odd K pads one half pair; 3075 makes blocks of 1026, 1026 and 1023, or
-  // 1056, 1056 and 963 on AMX).
+  // below), of a block of rows (192) and of K blocks (at most 1536, in pairs: odd K pads one half
+  // pair; 3075 makes blocks of 1026, 1026 and 1023, or 1056, 1056 and 963 on AMX).
   const std::tuple<i64, i64, i64> shapes[] = {{1, 1, 1},      {6, 64, 2},    {5, 63, 3},     {7, 65, 4},
                                               {13, 129, 17},  {12, 65, 1535}, {7, 70, 1536},  {9, 66, 1537},
                                               {193, 66, 9},   {200, 40, 513}, {3, 200, 600},  {8, 70, 3075}};
@@ -454,7 +453,7 @@ TEST_CASE("bf16 product: the same bits for 1, 2 and 3 threads, alone or as a pai
     const i64 big = fast ? 1 : 0;  // the scalar emulation is slow: smaller shapes, still shared (2^21 multiply-adds)
     Problem p = make_problem(g, false, true, 150 + 250 * big, 130 + 200 * big, 300, 1.0f, 0.5f);
     // q's K makes two K blocks on the fast paths, the second of odd length (a pad row, which the
-    // team's packing by slabs of rows writes on the fma path, one panel at a time on one thread)
+    // team's packing by slabs of rows writes on the fma path, in the slab that ends the block)
     Problem q = make_problem(g, true, false, 130 + 200 * big, 70 + 100 * big, 301 + 1500 * big, 2.0f, 0.0f);
     std::vector<float> p1, q1;
     for (int threads : {1, 2, 3}) {
