@@ -758,7 +758,7 @@ void pack_a_words(const GemmBf16& g, i64 r0, i64 mc, i64 pc, i64 kc, u32* Ap, bo
 
 // The fused multiply-add version; wide (the Plan's): with AVX-512F the float32 product's 8 x 48
 // tile runs (sgemm_avx512.h's tile_8x48, one register tile for both precisions; docs/performance.md
-// measures it against the 6 x 64 one this path had), A split straight into rows at Ap, which the
+// compares it with a 6 x 64 AVX-512 tile), A split straight into rows at Ap, which the
 // tile reads in place, or A^T into 8-row panels (pack_a_split), and B into panels 48 columns wide
 // (Plan::pack_rows, Plan::pack_panel), over kcp = 2 x pairs steps of k, the odd k of each pair
 // first. Without, the AVX2 6 x 64 tile runs, from the block's packed words at Ap split into 6-row
