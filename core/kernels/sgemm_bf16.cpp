@@ -902,6 +902,7 @@ struct Plan {
   bool wide = false;  // the fma path's 8 x 48 tile: panels of 48 columns, blocks of 8-row units
   i64 nr = kNR;       // columns of a panel of B
   i64 kcb = 0, nkb = 0, panels = 0, pstride = 0, rows = 0, unit = 0, units_m = 0, row_blocks = 0, run = 0, items = 0;
+  i64 whole = 0;  // items taken whole; the rest are halves of the last ones (as the float32 plan's)
   bool ep_after = false;  // the epilogue runs on the whole of C after the items
   u32* Bp = nullptr;
 
@@ -932,9 +933,12 @@ struct Plan {
     const i64 col_blocks =
         p.ep.rows && !ep_after ? 1 : std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
     run = team == 1 ? panels : (panels + col_blocks - 1) / col_blocks;
-    items = row_blocks * ((panels + run - 1) / run);
+    const i64 base = row_blocks * ((panels + run - 1) / run);
+    whole = team > 1 ? base - std::min<i64>(base, team) : base;  // the team's last items cut in two
+    items = whole + 2 * (base - whole);
   }
-  i64 row_start(i64 rb) const { return rb * units_m / row_blocks * unit; }  // block rb's first row
+  i64 unit_start(i64 rb) const { return rb * units_m / row_blocks; }  // block rb's first unit of rows
+  i64 row_start(i64 rb) const { return unit_start(rb) * unit; }       // and its first row
   // A unit of packing: one panel of one K block; on the fma path with op(B) = B, kSlab rows of one
   // K block, all panels (pack_rows: B's rows read whole, in order).
   static constexpr i64 kSlab = 16;  // even: a pair's two rows in one slab
@@ -984,8 +988,18 @@ struct Plan {
     if (path == Path::amx) std::fill(d + (kc + 1) / 2 * kNR, d + round_up(kc, kAmxK) / 2 * kNR, u32{0});
   }
   void item(i64 i, void* Ap) const {
-    const i64 rb = i % row_blocks, cb = i / row_blocks;
-    const i64 r0 = row_start(rb), r1 = std::min(g->M, row_start(rb + 1)), q0 = cb * run, q1 = std::min(panels, q0 + run);
+    // Item i < whole is base item i; items whole + 2j and whole + 2j + 1 are the halves (in units
+    // of rows) of base item whole + j.
+    const i64 bi = i < whole ? i : whole + (i - whole) / 2;
+    const i64 rb = bi % row_blocks, cb = bi / row_blocks;
+    i64 u0 = unit_start(rb), u1 = unit_start(rb + 1);
+    if (i >= whole) {
+      const i64 mid = u0 + (u1 - u0) / 2;
+      if ((i - whole) % 2 == 0) u1 = mid;
+      else u0 = mid;
+    }
+    const i64 r0 = u0 * unit, r1 = std::min(g->M, u1 * unit), q0 = cb * run, q1 = std::min(panels, q0 + run);
+    if (r0 >= r1) return;
     for (i64 b = 0; b < nkb; ++b) {
       const i64 pc = b * kcb;
       block_product(*g, path, wide, r0, r1, pc, std::min(kcb, g->K - pc), Bp + b * panels * pstride, pstride, q0, q1,

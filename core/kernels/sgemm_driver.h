@@ -332,6 +332,7 @@ struct Driver {
     static constexpr i64 kSlab = 16;  // rows of B per packing unit when op(B) = B
     const Gemm<float>* g = nullptr;
     i64 kcb = 0, nkb = 0, panels = 0, pstride = 0, rows = 0, tiles = 0, row_blocks = 0, run = 0, items = 0;
+    i64 whole = 0;  // items taken whole; the rest are halves of the last ones
     bool ep_after = false;  // the epilogue runs on the whole of C after the items (whole_after())
     float* Bp = nullptr;  // panel q of K block b at Bp + (b * panels + q) * pstride
 
@@ -357,7 +358,12 @@ struct Driver {
       const i64 col_blocks =
           p.ep.rows && !ep_after ? 1 : std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
       run = (panels + col_blocks - 1) / col_blocks;
-      items = row_blocks * ((panels + run - 1) / run);
+      const i64 base = row_blocks * ((panels + run - 1) / run);
+      // The team's last items, each cut in two by rows (item()): the threads then end within
+      // about half an item of each other, not a whole one. Cut in four, or the last 2 x team
+      // items cut, the step is slower (docs/performance.md).
+      whole = team > 1 ? base - std::min<i64>(base, team) : base;
+      items = whole + 2 * (base - whole);
     }
     // A unit of packing: one panel of one K block for B^T (read as rows of B, transposed), or
     // kSlab rows of one K block, all panels, for B.
@@ -379,17 +385,27 @@ struct Driver {
     }
     void item(i64 i, float* Ap) const {
       const Gemm<float>& p = *g;
-      const i64 rb = i % row_blocks, cb = i / row_blocks;
-      const i64 r0 = rb * tiles / row_blocks * MR, r1 = std::min(p.M, (rb + 1) * tiles / row_blocks * MR);
+      // Item i < whole is base item i; after them, items whole + 2j and whole + 2j + 1 are the
+      // first and second halves (in tiles) of base item whole + j.
+      const i64 b = i < whole ? i : whole + (i - whole) / 2;
+      const i64 rb = b % row_blocks, cb = b / row_blocks;
+      i64 t0 = rb * tiles / row_blocks, t1 = (rb + 1) * tiles / row_blocks;  // its tiles of MR rows
+      if (i >= whole) {
+        const i64 mid = t0 + (t1 - t0) / 2;
+        if ((i - whole) % 2 == 0) t1 = mid;
+        else t0 = mid;
+      }
+      const i64 r0 = t0 * MR, r1 = std::min(p.M, t1 * MR);
+      if (r0 >= r1) return;
       const i64 q0 = cb * run, q1 = std::min(panels, q0 + run);
-      for (i64 b = 0; b < nkb; ++b) {
-        const i64 pc = b * kcb;
+      for (i64 kb = 0; kb < nkb; ++kb) {
+        const i64 pc = kb * kcb;
         // After this block's last panel, the item reads the next block's first (q0).
-        const bool more = b + 1 < nkb;
-        const float* after = more ? Bp + ((b + 1) * panels + q0) * pstride : nullptr;
+        const bool more = kb + 1 < nkb;
+        const float* after = more ? Bp + ((kb + 1) * panels + q0) * pstride : nullptr;
         const i64 after_floats = more ? NR * std::min(kcb, p.K - pc - kcb) : 0;
-        block_product(p.ta, p.A, p.lda, r0, r1, pc, std::min(kcb, p.K - pc), Bp + b * panels * pstride, pstride, q0,
-                      q1, p.N, p.alpha, b == 0 ? p.beta : 1.0f, p.C, p.ldc, Ap, Tri::none, 0, after, after_floats);
+        block_product(p.ta, p.A, p.lda, r0, r1, pc, std::min(kcb, p.K - pc), Bp + kb * panels * pstride, pstride, q0,
+                      q1, p.N, p.alpha, kb == 0 ? p.beta : 1.0f, p.C, p.ldc, Ap, Tri::none, 0, after, after_floats);
       }
       if (p.ep && !ep_after) p.ep(r0, r1, q0 * NR, std::min(p.N, q1 * NR));  // the item's part of C is final
     }
