@@ -893,7 +893,8 @@ thread_local Buffer tl_a, tl_b;
 
 // How one product is cut: K blocks of kcb (even, fixed by K alone: the order of every sum), op(B)
 // packed whole (panel q of K block b at Bp + (b * panels + q) * pstride words), C cut into items,
-// a block of rows by a run of column panels. An item runs the K blocks in order over its own part
+// a block of rows by a run of column panels (or half a block, by rows, for the team's last ones,
+// as in the float32 driver's plan). An item runs the K blocks in order over its own part
 // of C, so no two threads write the same element, and each element's sum is the same whoever
 // computes it.
 struct Plan {
@@ -918,10 +919,11 @@ struct Plan {
     nkb = (p.K + kcb - 1) / kcb;
     panels = (p.N + nr - 1) / nr;
     pstride = nr * (kcb / 2) * (path == Path::fma ? 2 : 1);  // words; the fma path's panels are split
-    // About four items a thread: blocks of whole units of rows (6, 8 for the 8 x 48 tile, or 32
-    // for AMX; at most kMC rows), as many as a multiple of the team where there are enough, the
-    // units dealt out evenly; then columns cut in runs of panels when there are too few row
-    // blocks. An epilogue on whole rows as in the float32 driver's plan (sgemm_driver.h).
+    // About four blocks a thread (the last `team` then cut in two): blocks of whole units of rows
+    // (6, 8 for the 8 x 48 tile, or 32 for AMX; at most kMC rows), as many as a multiple of the
+    // team where there are enough, the units dealt out evenly; then columns cut in runs of panels
+    // when there are too few row blocks. An epilogue on whole rows as in the float32 driver's plan
+    // (sgemm_driver.h).
     const i64 want = 4 * team;
     units_m = (p.M + unit - 1) / unit;
     const i64 most = team == 1 ? block(p.M, kMC, unit) / unit

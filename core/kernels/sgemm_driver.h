@@ -326,8 +326,9 @@ struct Driver {
   }
 
   // How the team shares one product: op(B) packed whole, unit by unit (units() says what a unit
-  // is), then C cut into items, a block of rows by a run of column panels. An item runs the K
-  // blocks in order over its own part of C, so no two threads ever write the same element.
+  // is), then C cut into items, a block of rows by a run of column panels (or half a block, by
+  // rows, for the team's last ones). An item runs the K blocks in order over its own part of C, so
+  // no two threads ever write the same element.
   struct Plan {
     static constexpr i64 kSlab = 16;  // rows of B per packing unit when op(B) = B
     const Gemm<float>* g = nullptr;
@@ -342,11 +343,11 @@ struct Driver {
       nkb = (p.K + kcb - 1) / kcb;
       panels = (p.N + NR - 1) / NR;
       pstride = NR * kcb;
-      // About four items a thread: blocks of whole tiles of MR rows (4 to MC / MR tiles each; fewer
-      // where the count is then rounded up), as many as a multiple of the team where there are
-      // enough (equal items then end together: 15 blocks on 2 threads leave one thread idle for a
-      // block's time), the tiles dealt out evenly; then columns cut in runs of panels when there
-      // are too few row blocks. An epilogue on whole rows keeps items whole rows, unless there are
+      // About four blocks a thread (the last `team` then cut in two, below): blocks of whole
+      // tiles of MR rows (4 to MC / MR tiles each; fewer where the count is then rounded up), as
+      // many as a multiple of the team where there are enough (equal items then end together: 15
+      // blocks on 2 threads leave one thread idle for a block's time), the tiles dealt out evenly;
+      // then columns cut in runs of panels when there are too few row blocks. An epilogue on whole rows keeps items whole rows, unless there are
       // fewer row blocks than threads: it then runs on all of C after the items.
       const i64 want = 4 * team;
       tiles = (p.M + MR - 1) / MR;
@@ -361,7 +362,9 @@ struct Driver {
       const i64 base = row_blocks * ((panels + run - 1) / run);
       // The team's last items, each cut in two by rows (item()): the threads then end within
       // about half an item of each other, not a whole one. Cut in four, or the last 2 x team
-      // items cut, the step is slower (docs/performance.md).
+      // items cut, the step is slower (docs/performance.md, "The team's last items cut in two").
+      // A pair of products (run_pair_on_team) cuts each product's last `team` items, though part
+      // of the team serves each: the balance is a little looser there, the result the same.
       whole = team > 1 ? base - std::min<i64>(base, team) : base;
       items = whole + 2 * (base - whole);
     }
