@@ -89,6 +89,30 @@ template <class F>
   else f(std::false_type{});
 }
 
+// ---- a team product's items ----
+// A product cut into `base` items that the team takes from a shared counter (the float32 driver's
+// and the bf16 product's plans), with its last `team` items each cut in two: the threads then end
+// within about half an item of each other, not a whole one. Item i is base item base_of(i), whole
+// or one of its halves (part()). Cut in four, or the last 2 x team items cut, the step is slower
+// (docs/performance.md, "The team's last items cut in two"). With one thread nothing is cut.
+struct TailCut {
+  std::int64_t base = 0, whole = 0;  // items before the cut; items taken whole
+  TailCut() = default;
+  TailCut(std::int64_t base_items, int team)
+      : base(base_items), whole(team > 1 ? base_items - std::min<std::int64_t>(base_items, team) : base_items) {}
+  std::int64_t items() const { return whole + 2 * (base - whole); }
+  // Items whole + 2j and whole + 2j + 1 are the halves of base item whole + j.
+  std::int64_t base_of(std::int64_t i) const { return i < whole ? i : whole + (i - whole) / 2; }
+  // [u0, u1): the base item's units (tiles or units of rows), narrowed to item i's half. The first
+  // half is empty when the base item has one unit.
+  void part(std::int64_t i, std::int64_t& u0, std::int64_t& u1) const {
+    if (i < whole) return;
+    const std::int64_t mid = u0 + (u1 - u0) / 2;
+    if ((i - whole) % 2 == 0) u1 = mid;
+    else u0 = mid;
+  }
+};
+
 // ---- two products on one team ----
 // Two independent products (a Linear's dx = dy w and dw = dy^T x) made by the float32 drivers
 // (sgemm_driver.h) and the bf16 product (sgemm_bf16.cpp) alike. The team is cut in two in

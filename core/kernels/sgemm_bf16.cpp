@@ -893,17 +893,16 @@ thread_local Buffer tl_a, tl_b;
 
 // How one product is cut: K blocks of kcb (even, fixed by K alone: the order of every sum), op(B)
 // packed whole (panel q of K block b at Bp + (b * panels + q) * pstride words), C cut into items,
-// a block of rows by a run of column panels (or half a block, by rows, for the team's last ones,
-// as in the float32 driver's plan). An item runs the K blocks in order over its own part
-// of C, so no two threads write the same element, and each element's sum is the same whoever
-// computes it.
+// a block of rows by a run of column panels (or half a block, by rows, for the team's last ones:
+// TailCut, parallel.h). An item runs the K blocks in order over its own part of C, so no two
+// threads write the same element, and each element's sum is the same whoever computes it.
 struct Plan {
   const GemmBf16* g = nullptr;
   Path path = Path::emulated;
   bool wide = false;  // the fma path's 8 x 48 tile: panels of 48 columns, blocks of 8-row units
   i64 nr = kNR;       // columns of a panel of B
   i64 kcb = 0, nkb = 0, panels = 0, pstride = 0, rows = 0, unit = 0, units_m = 0, row_blocks = 0, run = 0, items = 0;
-  i64 whole = 0;  // items taken whole; the rest are halves of the last ones (as the float32 plan's)
+  TailCut cut;  // the team's last items cut in two (parallel.h)
   bool ep_after = false;  // the epilogue runs on the whole of C after the items
   u32* Bp = nullptr;
 
@@ -919,11 +918,11 @@ struct Plan {
     nkb = (p.K + kcb - 1) / kcb;
     panels = (p.N + nr - 1) / nr;
     pstride = nr * (kcb / 2) * (path == Path::fma ? 2 : 1);  // words; the fma path's panels are split
-    // About four blocks a thread (the last `team` then cut in two): blocks of whole units of rows
-    // (6, 8 for the 8 x 48 tile, or 32 for AMX; at most kMC rows), as many as a multiple of the
-    // team where there are enough, the units dealt out evenly; then columns cut in runs of panels
-    // when there are too few row blocks. An epilogue on whole rows as in the float32 driver's plan
-    // (sgemm_driver.h).
+    // About four blocks a thread (the last `team` then cut in two: TailCut): blocks of whole
+    // units of rows (6, 8 for the 8 x 48 tile, or 32 for AMX; at most kMC rows), as many as a
+    // multiple of the team where there are enough, the units dealt out evenly; then columns cut in
+    // runs of panels when there are too few row blocks. An epilogue on whole rows as in the
+    // float32 driver's plan (sgemm_driver.h).
     const i64 want = 4 * team;
     units_m = (p.M + unit - 1) / unit;
     const i64 most = team == 1 ? block(p.M, kMC, unit) / unit
@@ -935,9 +934,8 @@ struct Plan {
     const i64 col_blocks =
         p.ep.rows && !ep_after ? 1 : std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
     run = team == 1 ? panels : (panels + col_blocks - 1) / col_blocks;
-    const i64 base = row_blocks * ((panels + run - 1) / run);
-    whole = team > 1 ? base - std::min<i64>(base, team) : base;  // the team's last items cut in two
-    items = whole + 2 * (base - whole);
+    cut = TailCut(row_blocks * ((panels + run - 1) / run), team);
+    items = cut.items();
   }
   i64 unit_start(i64 rb) const { return rb * units_m / row_blocks; }  // block rb's first unit of rows
   i64 row_start(i64 rb) const { return unit_start(rb) * unit; }       // and its first row
@@ -990,16 +988,9 @@ struct Plan {
     if (path == Path::amx) std::fill(d + (kc + 1) / 2 * kNR, d + round_up(kc, kAmxK) / 2 * kNR, u32{0});
   }
   void item(i64 i, void* Ap) const {
-    // Item i < whole is base item i; items whole + 2j and whole + 2j + 1 are the halves (in units
-    // of rows) of base item whole + j.
-    const i64 bi = i < whole ? i : whole + (i - whole) / 2;
-    const i64 rb = bi % row_blocks, cb = bi / row_blocks;
+    const i64 bi = cut.base_of(i), rb = bi % row_blocks, cb = bi / row_blocks;
     i64 u0 = unit_start(rb), u1 = unit_start(rb + 1);
-    if (i >= whole) {
-      const i64 mid = u0 + (u1 - u0) / 2;
-      if ((i - whole) % 2 == 0) u1 = mid;
-      else u0 = mid;
-    }
+    cut.part(i, u0, u1);
     const i64 r0 = u0 * unit, r1 = std::min(g->M, u1 * unit), q0 = cb * run, q1 = std::min(panels, q0 + run);
     if (r0 >= r1) return;
     for (i64 b = 0; b < nkb; ++b) {

@@ -333,7 +333,7 @@ struct Driver {
     static constexpr i64 kSlab = 16;  // rows of B per packing unit when op(B) = B
     const Gemm<float>* g = nullptr;
     i64 kcb = 0, nkb = 0, panels = 0, pstride = 0, rows = 0, tiles = 0, row_blocks = 0, run = 0, items = 0;
-    i64 whole = 0;  // items taken whole; the rest are halves of the last ones
+    TailCut cut;  // the team's last items cut in two (parallel.h)
     bool ep_after = false;  // the epilogue runs on the whole of C after the items (whole_after())
     float* Bp = nullptr;  // panel q of K block b at Bp + (b * panels + q) * pstride
 
@@ -343,12 +343,13 @@ struct Driver {
       nkb = (p.K + kcb - 1) / kcb;
       panels = (p.N + NR - 1) / NR;
       pstride = NR * kcb;
-      // About four blocks a thread (the last `team` then cut in two, below): blocks of whole
+      // About four blocks a thread (the last `team` then cut in two: TailCut): blocks of whole
       // tiles of MR rows (4 to MC / MR tiles each; fewer where the count is then rounded up), as
       // many as a multiple of the team where there are enough (equal items then end together: 15
       // blocks on 2 threads leave one thread idle for a block's time), the tiles dealt out evenly;
-      // then columns cut in runs of panels when there are too few row blocks. An epilogue on whole rows keeps items whole rows, unless there are
-      // fewer row blocks than threads: it then runs on all of C after the items.
+      // then columns cut in runs of panels when there are too few row blocks. An epilogue on whole
+      // rows keeps items whole rows, unless there are fewer row blocks than threads: it then runs
+      // on all of C after the items.
       const i64 want = 4 * team;
       tiles = (p.M + MR - 1) / MR;
       const i64 most = std::clamp<i64>(((p.M + want - 1) / want + MR - 1) / MR, 4, MC / MR);  // tiles per block
@@ -359,14 +360,10 @@ struct Driver {
       const i64 col_blocks =
           p.ep.rows && !ep_after ? 1 : std::clamp<i64>((want + row_blocks - 1) / row_blocks, 1, panels);
       run = (panels + col_blocks - 1) / col_blocks;
-      const i64 base = row_blocks * ((panels + run - 1) / run);
-      // The team's last items, each cut in two by rows (item()): the threads then end within
-      // about half an item of each other, not a whole one. Cut in four, or the last 2 x team
-      // items cut, the step is slower (docs/performance.md, "The team's last items cut in two").
       // A pair of products (run_pair_on_team) cuts each product's last `team` items, though part
       // of the team serves each: the balance is a little looser there, the result the same.
-      whole = team > 1 ? base - std::min<i64>(base, team) : base;
-      items = whole + 2 * (base - whole);
+      cut = TailCut(row_blocks * ((panels + run - 1) / run), team);
+      items = cut.items();
     }
     // A unit of packing: one panel of one K block for B^T (read as rows of B, transposed), or
     // kSlab rows of one K block, all panels, for B.
@@ -388,16 +385,9 @@ struct Driver {
     }
     void item(i64 i, float* Ap) const {
       const Gemm<float>& p = *g;
-      // Item i < whole is base item i; after them, items whole + 2j and whole + 2j + 1 are the
-      // first and second halves (in tiles) of base item whole + j.
-      const i64 b = i < whole ? i : whole + (i - whole) / 2;
-      const i64 rb = b % row_blocks, cb = b / row_blocks;
+      const i64 b = cut.base_of(i), rb = b % row_blocks, cb = b / row_blocks;
       i64 t0 = rb * tiles / row_blocks, t1 = (rb + 1) * tiles / row_blocks;  // its tiles of MR rows
-      if (i >= whole) {
-        const i64 mid = t0 + (t1 - t0) / 2;
-        if ((i - whole) % 2 == 0) t1 = mid;
-        else t0 = mid;
-      }
+      cut.part(i, t0, t1);
       const i64 r0 = t0 * MR, r1 = std::min(p.M, t1 * MR);
       if (r0 >= r1) return;
       const i64 q0 = cb * run, q1 = std::min(panels, q0 + run);
